@@ -1,0 +1,84 @@
+"""mlx-lm cache objects <-> kvstate states, O(1): no data is copied.
+
+Neither direction ever hands the same `mx.array` object to both sides: `fresh(a)` is a new
+array object over the same buffer, so a model's in-place slice write into a cache object
+(`cache.keys[..., i:j, :] = k`) copies on write instead of reaching a state someone holds.
+
+Each kind registers its own pair of converters (see `_kinds.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import singledispatch
+from typing import Any
+
+import mlx.core as mx
+
+from kvstate import ModelState, StateError
+
+
+def fresh(a: Any) -> Any:
+    """A new array object over the same buffer (None stays None; tuples map)."""
+    if a is None:
+        return None
+    if isinstance(a, tuple):
+        return tuple(fresh(x) for x in a)
+    if isinstance(a, list):
+        return [fresh(x) for x in a]
+    return a[...]
+
+
+FromCache = Callable[[Any], Any]
+_FROM: dict[type, FromCache] = {}
+
+
+def register_from(cache_cls: type) -> Callable[[FromCache], FromCache]:
+    def decorate(fn: FromCache) -> FromCache:
+        _FROM[cache_cls] = fn
+        return fn
+
+    return decorate
+
+
+@singledispatch
+def to_cache(state: Any) -> Any:
+    """One layer state -> a new mlx-lm cache object holding fresh arrays."""
+    raise StateError(
+        f"to_mlx_lm: cannot convert a {type(state).__name__}; expected a kvstate layer state"
+    )
+
+
+def from_cache(cache: Any) -> Any:
+    """One mlx-lm cache object -> a layer state holding fresh arrays."""
+    convert = _FROM.get(type(cache))
+    if convert is None:
+        known = ", ".join(sorted(c.__name__ for c in _FROM))
+        raise StateError(
+            f"from_mlx_lm: no state for cache class {type(cache).__module__}."
+            f"{type(cache).__qualname__}; supported: {known}"
+        )
+    return convert(cache)
+
+
+def from_mlx_lm(caches: Any) -> Any:
+    """mlx-lm caches -> a state. A list (a model's prompt cache) gives a `ModelState`;
+    a single cache object gives that layer's state."""
+    if isinstance(caches, (list, tuple)):
+        return ModelState(tuple(from_cache(c) for c in caches))
+    return from_cache(caches)
+
+
+def to_mlx_lm(state: Any) -> Any:
+    """A state -> new mlx-lm cache objects: a list for a `ModelState`, else one cache."""
+    if isinstance(state, ModelState):
+        return [to_cache(s) for s in state.layers]
+    return to_cache(state)
+
+
+def to_caches(layers: Sequence[Any]) -> list[Any]:
+    return [to_cache(s) for s in layers]
+
+
+def as_int_array(values: Any) -> mx.array:
+    return values if isinstance(values, mx.array) else mx.array(values, dtype=mx.int32)

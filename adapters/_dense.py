@@ -1,0 +1,50 @@
+"""KVCache / BatchKVCache / ConcatenateKVCache <-> DenseKV."""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import BatchKVCache, ConcatenateKVCache, KVCache
+
+from kvstate import DenseKV
+from kvstate._dense import used
+
+from ._convert import fresh, register_from, to_cache
+
+
+@register_from(KVCache)
+def _(cache: KVCache) -> DenseKV:
+    return DenseKV(fresh(cache.keys), fresh(cache.values), length=cache.offset)
+
+
+@register_from(ConcatenateKVCache)
+def _(cache: ConcatenateKVCache) -> DenseKV:
+    return DenseKV(fresh(cache.keys), fresh(cache.values), length=cache.offset, concatenate=True)
+
+
+@register_from(BatchKVCache)
+def _(cache: BatchKVCache) -> DenseKV:
+    # offset == _idx - left_padding in every BatchKVCache, so the state derives it.
+    return DenseKV(
+        fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), length=cache._idx
+    )
+
+
+@to_cache.register
+def _(state: DenseKV) -> KVCache | BatchKVCache | ConcatenateKVCache:
+    if state.left_padding is not None:
+        batch = BatchKVCache.__new__(BatchKVCache)
+        batch.keys, batch.values = fresh(state.keys), fresh(state.values)
+        batch.left_padding = fresh(state.left_padding)
+        batch.offset = state.length - state.left_padding
+        batch._idx = state.length
+        batch._right_padding = None
+        return batch
+    if state.concatenate:
+        concat = ConcatenateKVCache()
+        if state.keys is not None and state.values is not None:
+            concat.keys = used(state.keys, state.length)[...]
+            concat.values = used(state.values, state.length)[...]
+        concat.offset = state.length
+        return concat
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = fresh(state.keys), fresh(state.values), state.length
+    return cache

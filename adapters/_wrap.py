@@ -1,0 +1,92 @@
+"""`wrap(model)`: a pure view of an mlx-lm model, `logits, state = m(tokens, state)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import _merge_caches
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvstate import ModelState, ShapeError
+from kvstate._transforms import batch_size_of, record_forward
+
+from ._convert import from_mlx_lm, to_mlx_lm
+
+
+class WrappedModel:
+    """An mlx-lm model as a pure function of (tokens, state).
+
+    Each call builds fresh mlx-lm cache objects from the state (O(1): the arrays are new
+    objects over the same buffers), runs the model, and reads the caches back into a new
+    state. When the caller rebinds (`state = ...`) nothing else holds the old buffers and
+    MLX updates them in place; when the caller keeps the old state, MLX copies on write.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def init_state(self, batch_size: int = 1) -> ModelState:
+        """An empty state for `batch_size` rows, built by the model's own `make_cache`
+        (batched through mlx-lm's own merge, exactly like its BatchGenerator)."""
+        if batch_size == 1:
+            return from_mlx_lm(make_prompt_cache(self.model))  # type: ignore[no-any-return]
+        caches = [make_prompt_cache(self.model) for _ in range(batch_size)]
+        return from_mlx_lm(_merge_caches(caches))  # type: ignore[no-any-return]
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        state: ModelState,
+        *,
+        lengths: Sequence[int] | None = None,
+        capture: bool = False,
+    ) -> Any:
+        """Run `tokens` (B, K) int through the model from `state`.
+
+        `lengths`: for a right-padded batch of prompts, each row's real length; rows are
+        re-aligned to left padding afterwards, as in mlx-lm's batch generation.
+        `capture=True` also returns per-token checkpoints for `commit_prefix`.
+        Returns `(logits (B, K, vocab), state)` or `(logits, state, checkpoints)`.
+        """
+        tokens = _as_batch(tokens, batch_size_of(state))
+        if capture:
+            from ._capture import forward_capturing
+
+            return forward_capturing(self, tokens, state)
+        return self.forward(tokens, state, lengths)
+
+    def forward(
+        self, tokens: mx.array, state: ModelState, lengths: Sequence[int] | None = None
+    ) -> tuple[mx.array, ModelState]:
+        caches = to_mlx_lm(state)
+        width = tokens.shape[1]
+        padded = lengths is not None and any(n != width for n in lengths)
+        if padded:
+            assert lengths is not None
+            for c in caches:
+                c.prepare(lengths=list(lengths), right_padding=[width - n for n in lengths])
+        logits = self.model(tokens, cache=caches)
+        if padded:
+            for c in caches:
+                c.finalize()
+        return logits, record_forward(from_mlx_lm(caches), state, width)
+
+
+def _as_batch(tokens: Any, batch: int) -> mx.array:
+    tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or (tokens.shape[0] != batch and batch != 1):
+        raise ShapeError(
+            f"tokens must be (batch, K) with batch = {batch} (the state's rows); "
+            f"got shape {tuple(tokens.shape)}"
+        )
+    return tokens
+
+
+def wrap(model: nn.Module) -> WrappedModel:
+    """A pure view of an mlx-lm model: `logits, state = wrap(model)(tokens, state)`."""
+    return WrappedModel(model)

@@ -1,0 +1,73 @@
+"""kvstate: functional, immutable LLM cache state for MLX.
+
+States are frozen attrs pytrees (batch-leading arrays + hashable statics); transforms are
+pure functions. Convert to and from mlx-lm caches with the `adapters` package.
+"""
+
+from . import _dense  # noqa: F401  (registers the DenseKV transforms)
+from ._errors import (
+    CheckpointRequiredError,
+    CommitError,
+    ConfigMismatchError,
+    FileFormatError,
+    RowError,
+    ShapeError,
+    StateError,
+)
+from ._states import (
+    ChunkedKV,
+    DenseKV,
+    LayerState,
+    ListState,
+    ModelState,
+    QuantizedKV,
+    RecurrentState,
+    RotatingKV,
+    State,
+)
+from ._transforms import (
+    batch_size,
+    commit_prefix,
+    extend,
+    extract,
+    filter,
+    merge,
+    row_select,
+    snapshot,
+    tile,
+)
+from ._tree import eval, nbytes, static_field, tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "CheckpointRequiredError",
+    "ChunkedKV",
+    "CommitError",
+    "ConfigMismatchError",
+    "DenseKV",
+    "FileFormatError",
+    "LayerState",
+    "ListState",
+    "ModelState",
+    "QuantizedKV",
+    "RecurrentState",
+    "RotatingKV",
+    "RowError",
+    "ShapeError",
+    "State",
+    "StateError",
+    "batch_size",
+    "commit_prefix",
+    "eval",
+    "extend",
+    "extract",
+    "filter",
+    "merge",
+    "nbytes",
+    "row_select",
+    "snapshot",
+    "static_field",
+    "tile",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+]

@@ -1,0 +1,175 @@
+"""DenseKV: KVCache, BatchKVCache and ConcatenateKVCache as one state kind."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from ._states import DenseKV
+from ._transforms import (
+    appended_of,
+    batch_size_of,
+    commit_rows,
+    config_of,
+    extract_row,
+    filter_rows,
+    merge_states,
+    take_rows,
+)
+
+
+def used(a: mx.array, length: int) -> mx.array:
+    """The first `length` positions (axis 2) of a capacity buffer."""
+    return a if a.shape[2] == length else a[..., :length, :]
+
+
+def padding_or_zeros(left_padding: mx.array | None, batch: int) -> mx.array:
+    return left_padding if left_padding is not None else mx.zeros((batch,), mx.int32)
+
+
+def left_pad(a: mx.array, n: int) -> mx.array:
+    """Prepend `n` zero positions on axis 2."""
+    if n == 0:
+        return a
+    return mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)
+
+
+@batch_size_of.register
+def _(state: DenseKV) -> int:
+    if state.left_padding is not None:
+        return int(state.left_padding.shape[0])
+    return int(state.keys.shape[0]) if state.keys is not None else 1
+
+
+@appended_of.register
+def _(state: DenseKV) -> int:
+    return state.appended
+
+
+@config_of.register
+def _(state: DenseKV) -> tuple[Any, ...]:
+    if state.keys is None or state.values is None:
+        return ("DenseKV", None, None, None, None)
+    k, v = state.keys, state.values
+    return ("DenseKV", str(k.dtype), int(k.shape[1]), int(k.shape[3]), int(v.shape[3]))
+
+
+@commit_rows.register
+def _(state: DenseKV, counts: tuple[int, ...], checkpoints: Any) -> DenseKV:
+    rejected = [state.appended - c for c in counts]
+    if len(set(counts)) == 1 or state.keys is None:
+        length = state.length - rejected[0]
+        keys, values = state.keys, state.values
+        if state.concatenate and keys is not None and values is not None:
+            keys, values = used(keys, length), used(values, length)
+        return attrs.evolve(state, keys=keys, values=values, length=length, appended=0)
+    return _commit_ragged(state, counts)
+
+
+def _commit_ragged(state: DenseKV, counts: tuple[int, ...]) -> DenseKV:
+    """Rows keep different counts. Rather than shifting every row's context right (O(context)),
+    move each row's *oldest* `d` tokens into the `d`-token hole its rejected tokens left, and
+    grow its left padding by `d`. Keys carry their RoPE already, so attention does not
+    depend on where in the buffer a key sits: the cost is O(max rejected), not O(context).
+    (Models whose masks depend on buffer positions, a KVCache under `window_size`, need
+    uniform counts.)
+    """
+    assert state.keys is not None and state.values is not None
+    batch = len(counts)
+    start = state.length - state.appended
+    new_length = start + max(counts)
+    holes = mx.array([max(counts) - c for c in counts], mx.int32)  # d per row
+    ends = start + mx.array(counts, mx.int32)  # end of each row's valid tokens
+    lp = padding_or_zeros(state.left_padding, batch)
+    moved = mx.minimum(holes, ends - lp)  # a row may hold fewer tokens than its hole
+    width = max(max(counts) - c for c in counts)
+    j = mx.arange(width, dtype=mx.int32)[None, :]
+    skip = width - moved[:, None]  # positions left of `skip` copy onto themselves
+    dest = new_length - width + j
+    src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
+    index = src[:, None, :, None]
+
+    def fill(a: mx.array) -> mx.array:
+        out = a[...]  # a fresh object: the assignment must not reach `state`
+        out[..., new_length - width : new_length, :] = mx.take_along_axis(a, index, axis=2)
+        return out
+
+    return attrs.evolve(
+        state,
+        keys=fill(state.keys),
+        values=fill(state.values),
+        left_padding=lp + holes,
+        length=new_length,
+        appended=0,
+    )
+
+
+@take_rows.register
+def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
+    index = mx.array(rows, mx.int32)
+    batch = batch_size_of(state)
+    keys = state.keys[index] if state.keys is not None else None
+    values = state.values[index] if state.values is not None else None
+    if state.left_padding is not None:
+        left_padding: mx.array | None = state.left_padding[index]
+    elif keys is None and len(rows) != batch:
+        left_padding = mx.zeros((len(rows),), mx.int32)  # an empty state has no other batch axis
+    else:
+        left_padding = None
+    return attrs.evolve(state, keys=keys, values=values, left_padding=left_padding)
+
+
+@filter_rows.register
+def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
+    kept = take_rows(state, rows)
+    if kept.left_padding is None:
+        return kept
+    shared = int(mx.min(kept.left_padding).item()) if kept.keys is not None else 0
+    if shared <= 0:
+        return kept
+    assert kept.keys is not None and kept.values is not None
+    return attrs.evolve(
+        kept,
+        keys=kept.keys[..., shared:, :],
+        values=kept.values[..., shared:, :],
+        left_padding=kept.left_padding - shared,
+        length=kept.length - shared,
+    )
+
+
+@merge_states.register
+def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
+    states = [first, *rest]
+    length = max(s.length for s in states)
+    paddings = [
+        padding_or_zeros(s.left_padding, batch_size_of(s)) + (length - s.length) for s in states
+    ]
+    left_padding = mx.concatenate(paddings)
+    filled = [s for s in states if s.keys is not None and s.values is not None]
+    if not filled:
+        return DenseKV(left_padding=left_padding)
+    k0, v0 = filled[0].keys, filled[0].values
+    assert k0 is not None and v0 is not None
+
+    def aligned(s: DenseKV, a: mx.array | None, like: mx.array) -> mx.array:
+        if a is None:
+            shape = (batch_size_of(s), like.shape[1], length, like.shape[3])
+            return mx.zeros(shape, like.dtype)
+        return left_pad(used(a, s.length), length - s.length)
+
+    keys = mx.concatenate([aligned(s, s.keys, k0) for s in states])
+    values = mx.concatenate([aligned(s, s.values, v0) for s in states])
+    return DenseKV(keys, values, left_padding, length=length)
+
+
+@extract_row.register
+def _(state: DenseKV, row: int) -> DenseKV:
+    if state.keys is None or state.values is None:
+        return DenseKV(concatenate=state.concatenate)
+    start = int(state.left_padding[row].item()) if state.left_padding is not None else 0
+    keys = mx.contiguous(state.keys[row : row + 1, :, start : state.length])
+    values = mx.contiguous(state.values[row : row + 1, :, start : state.length])
+    return DenseKV(keys, values, length=state.length - start, concatenate=state.concatenate)

@@ -1,0 +1,37 @@
+"""One exception family. Every message says what is wrong, the values involved, and the fix."""
+
+from __future__ import annotations
+
+
+class StateError(ValueError):
+    """Base class of every error kvstate raises on bad input."""
+
+
+class CommitError(StateError):
+    """`commit_prefix` got counts it cannot honour (too many, negative, not integers)."""
+
+
+class CheckpointRequiredError(CommitError):
+    """A recurrent state cannot be trimmed: rolling it back needs the verify forward's checkpoints."""
+
+
+class RowError(StateError):
+    """Row indices out of range, or of the wrong type."""
+
+
+class ConfigMismatchError(StateError):
+    """States of different kinds or configurations were combined (merge, extend)."""
+
+
+class ShapeError(StateError):
+    """Arrays whose shapes or dtypes do not fit the state they are meant for."""
+
+
+class FileFormatError(StateError):
+    """A saved state that is truncated, tampered with, or of an unknown version."""
+
+
+def check(condition: bool, error: type[StateError], message: str) -> None:
+    """Raise `error(message)` unless `condition` holds."""
+    if not condition:
+        raise error(message)
