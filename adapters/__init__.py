@@ -1,6 +1,7 @@
 """The model boundary: mlx-lm cache objects <-> kvstate states, and `wrap(model)`."""
 
-from . import _dense  # noqa: F401  (registers KVCache / BatchKVCache / ConcatenateKVCache)
+# Importing the kind modules registers their converters.
+from . import _chunked, _dense, _quantized, _recurrent, _rotating  # noqa: F401
 from ._convert import from_mlx_lm, to_mlx_lm
 from ._wrap import WrappedModel, wrap
 

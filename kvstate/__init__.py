@@ -4,7 +4,8 @@ States are frozen attrs pytrees (batch-leading arrays + hashable statics); trans
 pure functions. Convert to and from mlx-lm caches with the `adapters` package.
 """
 
-from . import _dense  # noqa: F401  (registers the DenseKV transforms)
+# Importing the kind modules registers their transforms.
+from . import _chunked, _dense, _quantized, _recurrent, _rotating  # noqa: F401
 from ._errors import (
     CheckpointRequiredError,
     CommitError,
@@ -14,6 +15,7 @@ from ._errors import (
     ShapeError,
     StateError,
 )
+from ._io import load, save
 from ._states import (
     ChunkedKV,
     DenseKV,
@@ -61,9 +63,11 @@ __all__ = [
     "extend",
     "extract",
     "filter",
+    "load",
     "merge",
     "nbytes",
     "row_select",
+    "save",
     "snapshot",
     "static_field",
     "tile",

@@ -177,7 +177,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _as_ints(value: Any, what: str) -> list[Any]:
-    if isinstance(value, mx.array) or isinstance(value, np.ndarray):
+    if isinstance(value, (mx.array, np.ndarray)):
         value = value.tolist()
     return [value] if _is_int(value) or not isinstance(value, (list, tuple)) else list(value)
 

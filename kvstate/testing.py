@@ -1,0 +1,1 @@
+"""Placeholder: hypothesis strategies for every state (being written)."""
