@@ -57,7 +57,7 @@ def rebuild(cls: type[T], child_values: tuple[Any, ...], static_values: tuple[An
 
 
 # A TreeDef is a nested, hashable description of everything but the arrays:
-#   "a" for an array leaf, None for None, ("t", (defs...)) for a tuple,
+#   "a" for an array leaf, None for None, ("t", (defs...)) for a tuple ("l" for a list),
 #   (cls, statics, (defs...)) for a state.
 TreeDef = Any
 _LEAF = "a"
@@ -69,8 +69,9 @@ def _flatten(node: Any, leaves: list[mx.array]) -> TreeDef:
         return _LEAF
     if node is None:
         return None
-    if isinstance(node, tuple):
-        return ("t", tuple(_flatten(c, leaves) for c in node))
+    if isinstance(node, (tuple, list)):
+        tag = "t" if isinstance(node, tuple) else "l"
+        return (tag, tuple(_flatten(c, leaves) for c in node))
     if is_state(node):
         return (type(node), statics(node), tuple(_flatten(c, leaves) for c in children(node)))
     raise TypeError(
@@ -93,6 +94,8 @@ def _unflatten(treedef: TreeDef, leaves: Iterator[mx.array]) -> Any:
         return None
     if treedef[0] == "t":
         return tuple(_unflatten(d, leaves) for d in treedef[1])
+    if treedef[0] == "l":
+        return [_unflatten(d, leaves) for d in treedef[1]]
     cls, static_values, child_defs = treedef
     return rebuild(cls, tuple(_unflatten(d, leaves) for d in child_defs), static_values)
 

@@ -1,0 +1,44 @@
+"""Shared test helpers: oracles built from mlx-lm's own caches, and bitwise state checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvstate as ks
+from kvstate._tree import tree_flatten
+
+
+def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's own greedy decode: the oracle for token equality."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=n)
+    return [int(tok) for tok, _ in steps]
+
+
+def raw_logits(model: Any, tokens: list[int], chunks: list[int]) -> list[np.ndarray]:
+    """Logits of mlx-lm's model on its own caches, feeding `tokens` in chunks of the given sizes."""
+    caches = make_prompt_cache(model)
+    out, at = [], 0
+    for size in chunks:
+        logits = model(mx.array([tokens[at : at + size]]), cache=caches)
+        out.append(np.array(logits.astype(mx.float32)))
+        at += size
+    return out
+
+
+def frozen_copy(state: Any) -> tuple[list[np.ndarray], Any]:
+    """Numpy copies of every array plus the TreeDef: compare later with `assert_unchanged`."""
+    leaves, treedef = tree_flatten(ks.eval(state))
+    return [np.array(a.view(mx.uint8) if a.dtype == mx.bfloat16 else a) for a in leaves], treedef
+
+
+def assert_unchanged(state: Any, before: tuple[list[np.ndarray], Any]) -> None:
+    arrays, treedef = frozen_copy(state)
+    assert treedef == before[1], "the state's structure or statics changed"
+    assert len(arrays) == len(before[0])
+    for now, then in zip(arrays, before[0], strict=True):
+        np.testing.assert_array_equal(now, then)
