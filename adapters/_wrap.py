@@ -32,9 +32,9 @@ class WrappedModel:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
         (batched through mlx-lm's own merge, exactly like its BatchGenerator)."""
         if batch_size == 1:
-            return from_mlx_lm(make_prompt_cache(self.model))  # type: ignore[no-any-return]
+            return from_mlx_lm(make_prompt_cache(self.model))
         caches = [make_prompt_cache(self.model) for _ in range(batch_size)]
-        return from_mlx_lm(_merge_caches(caches))  # type: ignore[no-any-return]
+        return from_mlx_lm(_merge_caches(caches))
 
     def __call__(
         self,

@@ -148,7 +148,7 @@ def tiny_model(
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = module.Model(args)
-    params = tree_flatten(model.parameters())
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     scaled = [
         (k, (v * scale if v.ndim >= 2 and "norm" not in k else v).astype(dtype)) for k, v in params
     ]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import mlx.core as mx
 
 from ._states import DenseKV
+from ._tree import host_int, replace
 from ._transforms import (
     appended_of,
     batch_size_of,
@@ -65,7 +65,7 @@ def _(state: DenseKV, counts: tuple[int, ...], checkpoints: Any) -> DenseKV:
         keys, values = state.keys, state.values
         if state.concatenate and keys is not None and values is not None:
             keys, values = used(keys, length), used(values, length)
-        return attrs.evolve(state, keys=keys, values=values, length=length, appended=0)
+        return replace(state, keys=keys, values=values, length=length, appended=0)
     return _commit_ragged(state, counts)
 
 
@@ -97,7 +97,7 @@ def _commit_ragged(state: DenseKV, counts: tuple[int, ...]) -> DenseKV:
         out[..., new_length - width : new_length, :] = mx.take_along_axis(a, index, axis=2)
         return out
 
-    return attrs.evolve(
+    return replace(
         state,
         keys=fill(state.keys),
         values=fill(state.values),
@@ -119,7 +119,7 @@ def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
         left_padding = mx.zeros((len(rows),), mx.int32)  # an empty state has no other batch axis
     else:
         left_padding = None
-    return attrs.evolve(state, keys=keys, values=values, left_padding=left_padding)
+    return replace(state, keys=keys, values=values, left_padding=left_padding)
 
 
 @filter_rows.register
@@ -127,11 +127,11 @@ def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
     kept = take_rows(state, rows)
     if kept.left_padding is None:
         return kept
-    shared = int(mx.min(kept.left_padding).item()) if kept.keys is not None else 0
+    shared = host_int(mx.min(kept.left_padding)) if kept.keys is not None else 0
     if shared <= 0:
         return kept
     assert kept.keys is not None and kept.values is not None
-    return attrs.evolve(
+    return replace(
         kept,
         keys=kept.keys[..., shared:, :],
         values=kept.values[..., shared:, :],
@@ -169,7 +169,7 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
 def _(state: DenseKV, row: int) -> DenseKV:
     if state.keys is None or state.values is None:
         return DenseKV(concatenate=state.concatenate)
-    start = int(state.left_padding[row].item()) if state.left_padding is not None else 0
+    start = host_int(state.left_padding[row]) if state.left_padding is not None else 0
     keys = mx.contiguous(state.keys[row : row + 1, :, start : state.length])
     values = mx.contiguous(state.values[row : row + 1, :, start : state.length])
     return DenseKV(keys, values, length=state.length - start, concatenate=state.concatenate)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ._errors import CommitError, ConfigMismatchError, RowError, StateError, check
 from ._states import ListState, ModelState
+from ._tree import replace
 
 S = TypeVar("S")
 
@@ -285,24 +286,24 @@ def commit_prefix(state: S, accepted: Any, checkpoints: Any = None) -> S:
     restore what the forward overwrote; recurrent kinds need `checkpoints`, the value a
     capturing forward (`wrapped(tokens, state, capture=True)`) returned.
     """
-    return commit_rows(state, _counts(state, accepted), checkpoints)  # type: ignore[no-any-return]
+    return commit_rows(state, _counts(state, accepted), checkpoints)
 
 
 def tile(state: S, n: int) -> S:
     """Repeat every row `n` times along the batch axis: row b becomes rows b*n .. b*n+n-1."""
     check(_is_int(n) and n >= 1, RowError, f"tile: n must be an int >= 1; got {n!r}")
     rows = tuple(b for b in range(batch_size_of(state)) for _ in range(int(n)))
-    return take_rows(state, rows)  # type: ignore[no-any-return]
+    return take_rows(state, rows)
 
 
 def row_select(state: S, rows: Any) -> S:
     """Keep the given rows, in the given order (an int keeps batch 1). Padding is kept."""
-    return take_rows(state, _rows(state, rows, "row_select"))  # type: ignore[no-any-return]
+    return take_rows(state, _rows(state, rows, "row_select"))
 
 
 def filter(state: S, rows: Any) -> S:
     """Keep the given rows of a batched state and drop the left padding they all share."""
-    return filter_rows(state, _rows(state, rows, "filter"))  # type: ignore[no-any-return]
+    return filter_rows(state, _rows(state, rows, "filter"))
 
 
 def merge(states: Sequence[S]) -> S:
@@ -310,20 +311,20 @@ def merge(states: Sequence[S]) -> S:
     states = list(states)
     check(len(states) > 0, StateError, "merge: got no states; pass a non-empty list")
     _same_config(states, "merge")
-    return merge_states(states[0], states[1:])  # type: ignore[no-any-return]
+    return merge_states(states[0], states[1:])
 
 
 def extend(a: S, b: S) -> S:
     """The rows of `a` followed by the rows of `b`, re-aligned to one left padding."""
     _same_config([a, b], "extend")
-    return extend_states(a, b)  # type: ignore[no-any-return]
+    return extend_states(a, b)
 
 
 def extract(state: S, row: int) -> S:
     """Row `row` as an unpadded single-sequence state (batch 1)."""
     check(_is_int(row), RowError, f"extract: row must be an int; got {row!r}")
     (checked,) = _rows(state, row, "extract")
-    return extract_row(state, checked)  # type: ignore[no-any-return]
+    return extract_row(state, checked)
 
 
 @singledispatch
@@ -332,9 +333,7 @@ def record_forward(state: Any, before: Any, n: int) -> Any:
 
     Kinds that can lose entries during a multi-token forward (windows) keep `before`.
     """
-    import attrs
-
-    return attrs.evolve(state, appended=n)
+    return replace(state, appended=n)
 
 
 @record_forward.register(ListState)

@@ -12,7 +12,9 @@ MLX goes through `tree_flatten` (a list of arrays plus a hashable `TreeDef`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
+
+from typing_extensions import dataclass_transform
 
 import attrs
 import mlx.core as mx
@@ -29,13 +31,24 @@ def static_field(**kwargs: Any) -> Any:
     return attrs.field(metadata=metadata, **kwargs)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(attrs.field, static_field))
 def state_class(cls: type[T]) -> type[T]:
     """Make `cls` a frozen state pytree: `attrs.frozen(eq=False)` plus its child/static split."""
     cls = attrs.frozen(eq=False)(cls)
-    fields = attrs.fields(cls)  # type: ignore[misc, arg-type]
+    fields = attrs.fields(cls)  # type: ignore[arg-type]
     cls.__kvstate_children__ = tuple(f.name for f in fields if not f.metadata.get(_STATIC))  # type: ignore[attr-defined]
     cls.__kvstate_statics__ = tuple(f.name for f in fields if f.metadata.get(_STATIC))  # type: ignore[attr-defined]
     return cls
+
+
+def replace(state: T, **changes: Any) -> T:
+    """A copy of `state` with some fields changed (`attrs.evolve`, typed for any state)."""
+    return attrs.evolve(state, **changes)  # type: ignore[misc]
+
+
+def host_int(a: mx.array) -> int:
+    """A 0-d integer array as a Python int (a host sync)."""
+    return int(cast(int, a.item()))
 
 
 def is_state(x: object) -> bool:
