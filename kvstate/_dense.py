@@ -8,7 +8,6 @@ from typing import Any
 import mlx.core as mx
 
 from ._states import DenseKV
-from ._tree import host_int, replace
 from ._transforms import (
     appended_of,
     batch_size_of,
@@ -19,6 +18,7 @@ from ._transforms import (
     merge_states,
     take_rows,
 )
+from ._tree import host_int, replace
 
 
 def used(a: mx.array, length: int) -> mx.array:

@@ -12,9 +12,7 @@ MLX goes through `tree_flatten` (a list of arrays plus a hashable `TreeDef`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, cast
-
-from typing_extensions import dataclass_transform
+from typing import Any, TypeVar, cast, dataclass_transform
 
 import attrs
 import mlx.core as mx
