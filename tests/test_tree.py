@@ -73,4 +73,4 @@ def test_states_are_frozen_and_compare_by_identity():
     with pytest.raises(AttributeError):
         state.layers = ()  # type: ignore[misc]
     assert state == state and state != sample_state()
-    {state}  # hashable by identity
+    assert len({state, state}) == 1  # hashable by identity
