@@ -1,1 +1,40 @@
-"""Placeholder: being written."""
+"""ArraysCache <-> RecurrentState and CacheList <-> ListState.
+
+Both directions are O(1): every array is `fresh` (a new object over the same buffer), so
+mlx-lm's in-place updates (`ArraysCache.advance` does `self.lengths -= n`, models assign
+`cache[0] = ...`) never reach a state someone holds.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+from kvstate import ListState, RecurrentState
+
+from ._convert import fresh, from_cache, register_from, to_cache
+
+
+@register_from(ArraysCache)
+def _(cache: ArraysCache) -> RecurrentState:
+    return RecurrentState(
+        tuple(fresh(a) for a in cache.cache), fresh(cache.left_padding), fresh(cache.lengths)
+    )
+
+
+@register_from(CacheList)
+def _(cache: CacheList) -> ListState:
+    return ListState(tuple(from_cache(c) for c in cache.caches))
+
+
+@to_cache.register
+def _(state: RecurrentState) -> ArraysCache:
+    cache = ArraysCache.__new__(ArraysCache)  # __init__ would turn left_padding into a list
+    cache.cache = [fresh(a) for a in state.arrays]
+    cache.left_padding = fresh(state.left_padding)
+    cache.lengths = fresh(state.lengths)
+    return cache
+
+
+@to_cache.register
+def _(state: ListState) -> CacheList:
+    return CacheList(*(to_cache(s) for s in state.states))

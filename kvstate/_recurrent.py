@@ -1,1 +1,216 @@
-"""Placeholder: being written."""
+"""RecurrentState: mlx-lm's ArraysCache (conv windows, SSM / linear-attention states).
+
+The arrays have a fixed size: a forward overwrites them, so the state cannot be trimmed.
+Rolling back a verify forward of K tokens takes *checkpoints*: for each array, an array
+(B, K+1, ...) whose entry t along axis 1 is the array after t tokens of that forward
+(t = 0: before it). A capturing forward (`wrapped(tokens, state, capture=True)`) returns
+them; `commit_prefix` picks entry `counts[b]` for row b.
+
+Batch semantics follow ArraysCache exactly (merge / filter / extend / extract), generalised
+to states of several rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ._errors import CheckpointRequiredError, ShapeError
+from ._states import RecurrentState
+from ._transforms import (
+    appended_of,
+    batch_size_of,
+    commit_rows,
+    config_of,
+    extend_states,
+    extract_row,
+    merge_states,
+    take_rows,
+)
+
+Checkpoints = tuple[mx.array | None, ...]
+"""One entry per `RecurrentState.arrays` entry: (B, K+1, *array.shape[1:]) or None."""
+
+
+def is_empty(state: RecurrentState) -> bool:
+    """Nothing written yet. (ArraysCache.empty() looks at the first array only, so its merge
+    would drop the other arrays of a state whose first one is None; every array counts here.)"""
+    return all(a is None for a in state.arrays)
+
+
+@batch_size_of.register
+def _(state: RecurrentState) -> int:
+    # The order of ArraysCache.batch_size: arrays, then left_padding, then lengths.
+    for a in state.arrays:
+        if a is not None:
+            return int(a.shape[0])
+    for bookkeeping in (state.left_padding, state.lengths):
+        if bookkeeping is not None:
+            return int(bookkeeping.size)
+    return 1
+
+
+@appended_of.register
+def _(state: RecurrentState) -> int:
+    return state.appended
+
+
+@config_of.register
+def _(state: RecurrentState) -> tuple[Any, ...]:
+    # None (an array not written yet) matches anything in `_compatible`.
+    arrays = tuple(
+        None if a is None else (str(a.dtype), tuple(int(n) for n in a.shape[1:]))
+        for a in state.arrays
+    )
+    return ("RecurrentState", len(state.arrays), arrays)
+
+
+@take_rows.register
+def _(state: RecurrentState, rows: tuple[int, ...]) -> RecurrentState:
+    index = mx.array(rows, mx.int32)
+    arrays = tuple(None if a is None else a[index] for a in state.arrays)
+    left_padding = None if state.left_padding is None else state.left_padding[index]
+    lengths = None if state.lengths is None else state.lengths[index]
+    if (
+        all(a is None for a in arrays)
+        and left_padding is None
+        and lengths is None
+        and len(rows) != 1
+    ):
+        # An empty state has no other batch axis to carry its rows (ArraysCache.merge does this).
+        left_padding = mx.zeros((len(rows),), mx.int32)
+    return RecurrentState(arrays, left_padding, lengths, appended=state.appended)
+
+
+def _zeros_like_rows(like: mx.array, batch: int) -> mx.array:
+    return mx.zeros((batch, *like.shape[1:]), like.dtype)
+
+
+def _concat_rows(parts: Sequence[mx.array | None], batches: Sequence[int]) -> mx.array | None:
+    """Concatenate along the batch axis, zeros for the parts that are None (ArraysCache's `cat`)."""
+    like = next((p for p in reversed(parts) if p is not None), None)
+    if like is None:
+        return None
+    filled = [
+        p if p is not None else _zeros_like_rows(like, b)
+        for p, b in zip(parts, batches, strict=True)
+    ]
+    return mx.concatenate(filled)
+
+
+@merge_states.register
+def _(first: RecurrentState, rest: Sequence[RecurrentState]) -> RecurrentState:
+    states = [first, *rest]
+    batches = [batch_size_of(s) for s in states]
+    if all(is_empty(s) for s in states):
+        # ArraysCache.merge: an all-empty merge only records the rows, as zero left padding
+        # (a state's own left padding, if it has one, is kept: it describes its next input).
+        paddings = [
+            s.left_padding if s.left_padding is not None else mx.zeros((b,), mx.int32)
+            for s, b in zip(states, batches, strict=True)
+        ]
+        return RecurrentState((None,) * len(first.arrays), left_padding=mx.concatenate(paddings))
+    # Otherwise every array is stacked (zeros for states that lack it); ArraysCache.merge
+    # drops left_padding and lengths: a written recurrent state has no positions to pad.
+    arrays = tuple(
+        _concat_rows([s.arrays[e] for s in states], batches) for e in range(len(first.arrays))
+    )
+    return RecurrentState(arrays)
+
+
+@extend_states.register
+def _(a: RecurrentState, b: RecurrentState) -> RecurrentState:
+    # ArraysCache.extend: concatenate every array and the bookkeeping, zeros where one is None.
+    batches = [batch_size_of(a), batch_size_of(b)]
+    arrays = tuple(_concat_rows([x, y], batches) for x, y in zip(a.arrays, b.arrays, strict=True))
+    return RecurrentState(
+        arrays,
+        _concat_rows([a.left_padding, b.left_padding], batches),
+        _concat_rows([a.lengths, b.lengths], batches),
+    )
+
+
+@extract_row.register
+def _(state: RecurrentState, row: int) -> RecurrentState:
+    # ArraysCache.extract: the row's arrays, no bookkeeping.
+    return RecurrentState(tuple(None if a is None else a[row : row + 1] for a in state.arrays))
+
+
+def _check_checkpoints(state: RecurrentState, checkpoints: Any) -> Checkpoints:
+    """Every mismatch between `checkpoints` and what `state` needs, reported at once."""
+    n = len(state.arrays)
+    if not isinstance(checkpoints, (tuple, list)) or len(checkpoints) != n:
+        got = (
+            f"{len(checkpoints)} entries"
+            if isinstance(checkpoints, (tuple, list))
+            else type(checkpoints).__name__
+        )
+        raise ShapeError(
+            f"checkpoints for a RecurrentState of {n} arrays must be a tuple of {n} arrays "
+            f"(B, K+1, ...); got {got}. Pass the checkpoints the capturing forward of this "
+            "same state returned"
+        )
+    batch, steps = batch_size_of(state), state.appended + 1
+    problems = []
+    for i, (a, c) in enumerate(zip(state.arrays, checkpoints, strict=True)):
+        if a is None:
+            if c is not None:
+                problems.append(
+                    f"[{i}]: the state has no array here, so the checkpoint must be None"
+                )
+            continue
+        want = (batch, steps, *a.shape[1:])
+        if not isinstance(c, mx.array):
+            problems.append(f"[{i}]: expected an array of shape {want}, got {type(c).__name__}")
+            continue
+        if tuple(c.shape) != want or c.dtype != a.dtype:
+            problems.append(
+                f"[{i}]: expected shape {want} dtype {a.dtype}, got shape {tuple(c.shape)} "
+                f"dtype {c.dtype}"
+            )
+    if problems:
+        raise ShapeError(
+            f"checkpoints do not fit this RecurrentState (B={batch}, last forward appended "
+            f"{state.appended} tokens, so K+1={steps}): " + "; ".join(problems) + ". Pass the "
+            "checkpoints the capturing forward that produced this state returned"
+        )
+    return tuple(checkpoints)
+
+
+@commit_rows.register
+def _(state: RecurrentState, counts: tuple[int, ...], checkpoints: Any) -> RecurrentState:
+    checked = None if checkpoints is None else _check_checkpoints(state, checkpoints)
+    if all(c == state.appended for c in counts):
+        # Keep everything: nothing to roll back, so no checkpoints are needed.
+        return RecurrentState(state.arrays, state.left_padding, state.lengths)
+    if checked is None:
+        raise CheckpointRequiredError(
+            f"a RecurrentState cannot be trimmed: keeping {list(counts)} of the "
+            f"{state.appended} tokens its last forward appended needs the state after each "
+            "token. Run the verify forward with `capture=True` "
+            "(`logits, state, checkpoints = wrapped(tokens, state, capture=True)`) and pass "
+            "its checkpoints: `commit_prefix(state, accepted, checkpoints)`"
+        )
+    index = mx.array(counts, mx.int32)
+
+    def pick(c: mx.array | None) -> mx.array | None:
+        if c is None:
+            return None
+        at = index.reshape(-1, 1, *([1] * (c.ndim - 2)))
+        return mx.take_along_axis(c, at, axis=1).squeeze(1)
+
+    # mlx-lm's advance(n) lowers left_padding and lengths by n per forward: a forward of
+    # counts[b] tokens would have lowered them by that much, not by `appended`.
+    rejected = mx.array([state.appended - c for c in counts], mx.int32)
+
+    def unadvance(x: mx.array | None) -> mx.array | None:
+        return None if x is None else x + rejected.astype(x.dtype)
+
+    return RecurrentState(
+        tuple(pick(c) for c in checked),
+        unadvance(state.left_padding),
+        unadvance(state.lengths),
+        appended=0,
+    )
