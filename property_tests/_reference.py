@@ -1,0 +1,183 @@
+"""NumPy reference models and checks shared by the property tests.
+
+A reference row is what one batch row of a state *means*: its valid tokens (keys and values
+as bit-exact numpy arrays, (H, T, D)) in attention order. The tests compare what kvstate
+holds against rows kept here by plain numpy list operations, never against kvstate itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+import kvstate as ks
+from adapters import from_mlx_lm, to_mlx_lm
+from kvstate._transforms import record_forward
+from kvstate._tree import tree_flatten
+
+_BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
+
+
+def bits(a: mx.array) -> np.ndarray:
+    """A numpy copy of `a` whose equality is bitwise (floats viewed as unsigned ints)."""
+    view = _BITS.get(a.dtype)
+    return np.array(a.view(view) if view is not None else a)
+
+
+# ---------------------------------------------------------------------------------------
+# Frozen copies: no transform and no forward may ever change a state it was given.
+# ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Frozen:
+    """Bit-exact numpy copies of every array of a state, plus its TreeDef (statics)."""
+
+    arrays: tuple[np.ndarray, ...]
+    treedef: Any
+
+
+def freeze(state: Any) -> Frozen:
+    leaves, treedef = tree_flatten(ks.eval(state))
+    return Frozen(tuple(bits(a) for a in leaves), treedef)
+
+
+def assert_unchanged(state: Any, before: Frozen, what: str = "state") -> None:
+    now = freeze(state)
+    assert now.treedef == before.treedef, f"{what}: structure or statics changed"
+    assert len(now.arrays) == len(before.arrays), f"{what}: number of arrays changed"
+    for i, (a, b) in enumerate(zip(now.arrays, before.arrays, strict=True)):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: array {i} reshaped"
+        assert np.array_equal(a, b), f"{what}: array {i} changed in place"
+
+
+class Witness:
+    """Remembers every state handed to or returned by kvstate, with a frozen copy, and checks
+    that none of them ever changes afterwards (transforms are pure; MLX arrays are not)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, Frozen, str]] = []
+
+    def hold(self, state: Any, what: str) -> Any:
+        self.seen.append((state, freeze(state), what))
+        return state
+
+    def check(self) -> None:
+        for state, frozen, what in self.seen:
+            assert_unchanged(state, frozen, what)
+
+
+# ---------------------------------------------------------------------------------------
+# Rows of a state
+# ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Row:
+    """One row's valid tokens: keys (H, T, Dk), values (H, T, Dv), bit-exact; `ordered` is
+    False once kvstate may hold them in another order (dense ragged commits move tokens;
+    keys carry their RoPE, so attention does not care)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    ordered: bool = True
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[1])
+
+    def take(self, n: int) -> Row:
+        return Row(self.keys[:, :n], self.values[:, :n], self.ordered)
+
+    def append(self, keys: np.ndarray, values: np.ndarray) -> Row:
+        if self.length == 0:  # an empty row's head dims are unknown
+            return Row(keys, values, self.ordered)
+        return Row(
+            np.concatenate([self.keys, keys], axis=1),
+            np.concatenate([self.values, values], axis=1),
+            self.ordered,
+        )
+
+
+def empty_row(heads: int, k_dim: int, v_dim: int, dtype: Any) -> Row:
+    return Row(np.zeros((heads, 0, k_dim), dtype), np.zeros((heads, 0, v_dim), dtype))
+
+
+def _sorted_tokens(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Tokens as rows of one matrix (T, H*Dk + H*Dv), sorted: a multiset of tokens."""
+    tokens = np.concatenate(
+        [
+            keys.transpose(1, 0, 2).reshape(keys.shape[1], -1),
+            values.transpose(1, 0, 2).reshape(values.shape[1], -1),
+        ],
+        axis=1,
+    )
+    if tokens.shape[0] == 0:
+        return tokens
+    return tokens[np.lexsort(tokens.T[::-1])]
+
+
+def assert_rows_equal(actual: Sequence[Row], expected: Sequence[Row], what: str = "") -> None:
+    assert len(actual) == len(expected), (
+        f"{what}: {len(actual)} rows, reference has {len(expected)}"
+    )
+    for b, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert a.length == e.length, (
+            f"{what}: row {b} holds {a.length} tokens, reference {e.length}"
+        )
+        if a.length == 0:
+            continue
+        if e.ordered:
+            assert np.array_equal(a.keys, e.keys), f"{what}: row {b} keys differ"
+            assert np.array_equal(a.values, e.values), f"{what}: row {b} values differ"
+        else:
+            same = np.array_equal(
+                _sorted_tokens(a.keys, a.values), _sorted_tokens(e.keys, e.values)
+            )
+            assert same, f"{what}: row {b} holds other tokens than the reference (as a multiset)"
+
+
+def dense_rows(state: ks.DenseKV) -> list[Row]:
+    """Each row's valid region [left_padding[b], length) of a DenseKV, read with numpy."""
+    batch = ks.batch_size(state)
+    if state.keys is None or state.values is None:
+        assert state.length == 0, "a DenseKV without arrays must have length 0"
+        return [Row(np.zeros((0, 0, 0)), np.zeros((0, 0, 0))) for _ in range(batch)]
+    keys, values = bits(state.keys), bits(state.values)
+    assert keys.shape[0] == values.shape[0] == batch, "keys/values/left_padding batch differ"
+    assert keys.shape[2] >= state.length and values.shape[2] >= state.length
+    if state.concatenate and state.left_padding is None:
+        assert keys.shape[2] == state.length, "a concatenate state's buffer is exactly its length"
+    pads = np.array(state.left_padding).tolist() if state.left_padding is not None else [0] * batch
+    return [
+        Row(keys[b, :, p : state.length], values[b, :, p : state.length])
+        for b, p in enumerate(pads)
+    ]
+
+
+def rows_of(state: Any) -> list[Any]:
+    """Per-row meaning of any layer state (a list of Row, or of tuples for composites)."""
+    if isinstance(state, ks.DenseKV):
+        return dense_rows(state)
+    raise NotImplementedError(type(state).__name__)
+
+
+# ---------------------------------------------------------------------------------------
+# A forward at the cache level: mlx-lm's own update_and_fetch is the oracle.
+# ---------------------------------------------------------------------------------------
+
+
+def cache_forward(state: Any, keys: mx.array, values: mx.array) -> Any:
+    """What a model's attention layer does to `state` when it runs K new tokens:
+    to mlx-lm cache objects, `update_and_fetch(keys (B, H, K, Dk), values)`, and back."""
+    cache = to_mlx_lm(state)
+    cache.update_and_fetch(keys, values)
+    return record_forward(from_mlx_lm(cache), state, keys.shape[2])
+
+
+def noise(rng: np.random.Generator, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
