@@ -1,1 +1,29 @@
-"""Placeholder: being written."""
+"""ChunkedKVCache <-> ChunkedKV."""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import ChunkedKVCache
+
+from kvstate import ChunkedKV
+
+from ._convert import fresh, register_from, to_cache
+
+
+@register_from(ChunkedKVCache)
+def _(cache: ChunkedKVCache) -> ChunkedKV:
+    return ChunkedKV(
+        fresh(cache.keys),
+        fresh(cache.values),
+        chunk_size=cache.chunk_size,
+        offset=cache.offset,
+        start_position=cache.start_position,
+    )
+
+
+@to_cache.register
+def _(state: ChunkedKV) -> ChunkedKVCache:
+    # `previous` stays with the state: a cache object has no rollback.
+    cache = ChunkedKVCache(state.chunk_size)
+    cache.keys, cache.values = fresh(state.keys), fresh(state.values)
+    cache.offset, cache.start_position = state.offset, state.start_position
+    return cache

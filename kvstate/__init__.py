@@ -16,6 +16,7 @@ from ._errors import (
     StateError,
 )
 from ._io import load, save
+from ._quantized import quantize
 from ._states import (
     ChunkedKV,
     DenseKV,
@@ -66,6 +67,7 @@ __all__ = [
     "load",
     "merge",
     "nbytes",
+    "quantize",
     "row_select",
     "save",
     "snapshot",

@@ -1,1 +1,258 @@
-"""Placeholder: being written."""
+"""QuantizedKV: mlx-lm's QuantizedKVCache, and `quantize` (a DenseKV -> a QuantizedKV).
+
+Like mlx-lm's QuantizedKVCache this kind is unpadded: every row holds `length` tokens at
+buffer positions [0, length). So a commit keeps one count for all rows, and a merge batches
+states of one length only (mlx-lm has no batched quantized cache to mirror, and a left
+padding here would need a masked quantized attention no mlx-lm model computes).
+
+Each of keys / values is an `mx.quantize` triple: packed uint32 (B, H, T, D * bits // 32),
+scales and biases (B, H, T, D // group_size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ._dense import used
+from ._errors import CommitError, ConfigMismatchError, ShapeError, StateError, check
+from ._states import DenseKV, ListState, ModelState, Quantized, QuantizedKV, RotatingKV
+from ._transforms import (
+    appended_of,
+    batch_size_of,
+    commit_rows,
+    config_of,
+    extract_row,
+    merge_states,
+    take_rows,
+)
+from ._tree import replace
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def packed_width(dim: int, bits: int) -> int:
+    """uint32 words per row of `dim` values at `bits` bits: what `mx.quantize` emits."""
+    return dim * bits // 32
+
+
+def head_dim(q: Quantized, bits: int) -> int:
+    """The unquantized last dimension of a triple."""
+    return int(q[0].shape[-1]) * 32 // bits
+
+
+def used_q(q: Quantized, length: int) -> Quantized:
+    """The first `length` positions of every array of a triple."""
+    return (used(q[0], length), used(q[1], length), used(q[2], length))
+
+
+def _map_q(fn: Any, q: Quantized) -> Quantized:
+    return (fn(q[0]), fn(q[1]), fn(q[2]))
+
+
+@batch_size_of.register
+def _(state: QuantizedKV) -> int:
+    return int(state.keys[0].shape[0]) if state.keys is not None else 1
+
+
+@appended_of.register
+def _(state: QuantizedKV) -> int:
+    return state.appended
+
+
+@config_of.register
+def _(state: QuantizedKV) -> tuple[Any, ...]:
+    if state.keys is None or state.values is None:
+        return ("QuantizedKV", state.bits, state.group_size, None, None, None, None)
+    k, v = state.keys, state.values
+    return (
+        "QuantizedKV",
+        state.bits,
+        state.group_size,
+        str(k[1].dtype),
+        int(k[0].shape[1]),
+        head_dim(k, state.bits),
+        head_dim(v, state.bits),
+    )
+
+
+@commit_rows.register
+def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> QuantizedKV:
+    check(
+        len(set(counts)) == 1,
+        CommitError,
+        f"QuantizedKV holds one length for all rows (like mlx-lm's QuantizedKVCache, it has "
+        f"no left padding), so it cannot keep ragged counts {list(counts)}; commit one count "
+        f"for every row (e.g. {min(counts)}, then re-feed the rows' extra accepted tokens), "
+        "or extract the rows (kvstate.extract) and commit each on its own",
+    )
+    # Like QuantizedKVCache.trim: the rejected positions stay in the buffer, past `length`.
+    return replace(state, length=state.length - (state.appended - counts[0]), appended=0)
+
+
+def _no_batch_axis(state: QuantizedKV | Any, what: str) -> StateError:
+    return StateError(
+        f"{what}: an empty {type(state).__name__} has no arrays, so no batch axis to gather "
+        "rows along; run the first forward (prefill) before tiling or selecting rows "
+        "(an empty state takes the batch size of its first forward)"
+    )
+
+
+@take_rows.register
+def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
+    if state.keys is None or state.values is None:
+        if rows == (0,):
+            return state
+        raise _no_batch_axis(state, "row_select / tile")
+    index = mx.array(rows, mx.int32)
+    return replace(
+        state,
+        keys=_map_q(lambda a: a[index], state.keys),
+        values=_map_q(lambda a: a[index], state.values),
+    )
+
+
+@merge_states.register
+def _(first: QuantizedKV, rest: Sequence[QuantizedKV]) -> QuantizedKV:
+    states = [first, *rest]
+    lengths = [s.length for s in states]
+    check(
+        len(set(lengths)) == 1,
+        ConfigMismatchError,
+        f"merge: QuantizedKV states of lengths {lengths} cannot be batched: a QuantizedKV has "
+        "no left padding (mlx-lm's QuantizedKVCache is unpadded), so every row must hold the "
+        "same number of tokens; merge quantized states of equal length, or batch the "
+        "unquantized DenseKV states (kvstate.merge) and keep the batch unquantized",
+    )
+    filled = [s for s in states if s.keys is not None and s.values is not None]
+    if not filled:
+        raise _no_batch_axis(first, "merge")
+    like_k, like_v = filled[0].keys, filled[0].values
+    assert like_k is not None and like_v is not None
+    length = lengths[0]
+
+    def part(s: QuantizedKV, q: Quantized | None, like: Quantized, i: int) -> mx.array:
+        if q is None:  # an empty state at length 0: one row of nothing, shaped like the rest
+            return mx.zeros((1, like[i].shape[1], 0, like[i].shape[3]), like[i].dtype)
+        return used(q[i], length)
+
+    def stacked(which: str, like: Quantized) -> Quantized:
+        parts = [
+            mx.concatenate([part(s, getattr(s, which), like, i) for s in states]) for i in range(3)
+        ]
+        return (parts[0], parts[1], parts[2])
+
+    return QuantizedKV(
+        stacked("keys", like_k),
+        stacked("values", like_v),
+        length=length,
+        group_size=first.group_size,
+        bits=first.bits,
+    )
+
+
+@extract_row.register
+def _(state: QuantizedKV, row: int) -> QuantizedKV:
+    if state.keys is None or state.values is None:
+        return QuantizedKV(group_size=state.group_size, bits=state.bits)
+    length = state.length
+
+    def one(a: mx.array) -> mx.array:
+        return mx.contiguous(a[row : row + 1, :, :length])
+
+    return QuantizedKV(
+        _map_q(one, state.keys),
+        _map_q(one, state.values),
+        length=length,
+        group_size=state.group_size,
+        bits=state.bits,
+    )
+
+
+def quantize(state: Any, bits: int = 8, group_size: int = 64) -> Any:
+    """An unpadded DenseKV as a QuantizedKV, like mlx-lm's `KVCache.to_quantized`.
+
+    keys (B, H, T, D) become (packed (B, H, length, D*bits//32), scales, biases
+    (B, H, length, D//group_size)); only the `length` used positions are quantized (the
+    capacity past them is not data). `appended` carries over, so a commit still works.
+
+    A ModelState or ListState is mapped over: its DenseKV layers are quantized and every
+    other kind is left as it is, like mlx-lm's `maybe_quantize_kv_cache` (which converts
+    only the caches that have `to_quantized`), except sliding windows, which mlx-lm cannot
+    quantize either and which raise here.
+    """
+    check(
+        bits in BITS,
+        ConfigMismatchError,
+        f"quantize: bits={bits!r} is not supported; use one of {list(BITS)}",
+    )
+    check(
+        group_size in GROUP_SIZES,
+        ConfigMismatchError,
+        f"quantize: group_size={group_size!r} is not supported; use one of {list(GROUP_SIZES)}",
+    )
+    if isinstance(state, DenseKV):
+        return _quantize_dense(state, bits, group_size)
+    check(
+        isinstance(state, (ModelState, ListState)),
+        StateError,
+        f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
+        f"{type(state).__name__}",
+    )
+    return _quantize_layers(state, bits, group_size)
+
+
+def _quantize_layers(state: Any, bits: int, group_size: int) -> Any:
+    if isinstance(state, ModelState):
+        return ModelState(tuple(_quantize_layers(s, bits, group_size) for s in state.layers))
+    if isinstance(state, ListState):
+        return ListState(tuple(_quantize_layers(s, bits, group_size) for s in state.states))
+    if isinstance(state, DenseKV):
+        return _quantize_dense(state, bits, group_size)
+    check(
+        not isinstance(state, RotatingKV),
+        ConfigMismatchError,
+        "quantize: a RotatingKV (sliding window) cannot be quantized (mlx-lm has no "
+        "quantized rotating cache either); quantize only the DenseKV layers",
+    )
+    return state
+
+
+def _quantize_dense(state: DenseKV, bits: int, group_size: int) -> QuantizedKV:
+    check(
+        state.left_padding is None,
+        ConfigMismatchError,
+        "quantize: this DenseKV is a left-padded batch, but a QuantizedKV has no left padding "
+        "(like mlx-lm's QuantizedKVCache); extract each row (kvstate.extract) and quantize "
+        "rows separately, or quantize single-sequence states before batching equal lengths",
+    )
+    if state.keys is None or state.values is None:
+        return QuantizedKV(
+            length=state.length, group_size=group_size, bits=bits, appended=state.appended
+        )
+    dims = {"keys": int(state.keys.shape[-1]), "values": int(state.values.shape[-1])}
+    bad = {name: d for name, d in dims.items() if d % group_size}
+    check(
+        not bad,
+        ShapeError,
+        f"quantize: head dims {bad} are not multiples of group_size={group_size}; "
+        f"pick a group size in {list(GROUP_SIZES)} that divides every head dim",
+    )
+
+    def q(a: mx.array) -> Quantized:
+        packed, scales, biases = mx.quantize(
+            used(a, state.length), group_size=group_size, bits=bits
+        )
+        return (packed, scales, biases)
+
+    return QuantizedKV(
+        q(state.keys),
+        q(state.values),
+        length=state.length,
+        group_size=group_size,
+        bits=bits,
+        appended=state.appended,
+    )
