@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._errors import FileFormatError, StateError
+from ._io_mlx_lm import is_mlx_lm_file, load_mlx_lm
 from ._states import (
     ChunkedKV,
     DenseKV,
@@ -70,7 +71,7 @@ _MAX_HEADER = 100_000_000  # the safetensors limit on the JSON header
 def save(
     path: str | os.PathLike[str], state: Any, metadata: Mapping[str, str] | None = None
 ) -> None:
-    """Write `state` (a ModelState, a layer state, or a tuple of states) to `path` as one
+    """Write `state` (a ModelState, a layer state, or a tuple/list of them) to `path` as one
     safetensors file, with `metadata` (str -> str) stored alongside.
 
     Every array is saved whole (capacity included), bit for bit; every static, None child
@@ -80,7 +81,7 @@ def save(
     user = _check_user_metadata(metadata)
     if not (is_state(state) or isinstance(state, (tuple, list))):
         raise StateError(
-            f"save: expected a kvstate state (ModelState, DenseKV, ...) or a tuple of them; "
+            f"save: expected a kvstate state (ModelState, DenseKV, ...) or a tuple/list of them; "
             f"got a {type(state).__name__}. Convert mlx-lm caches first: "
             "adapters.from_mlx_lm(caches)"
         )
@@ -113,17 +114,15 @@ def load(path: str | os.PathLike[str], *, return_metadata: bool = False) -> Any:
     meta = _read_header(path)
     if _FORMAT_KEY in meta:
         state, user = _load_kvstate(path, meta)
-    else:
-        from ._io_mlx_lm import is_mlx_lm_file, load_mlx_lm
-
-        if not is_mlx_lm_file(meta):
-            keys = sorted(meta)[:8]
-            raise FileFormatError(
-                f"{path!r} is a safetensors file but not a kvstate file: its metadata has "
-                f"no {_FORMAT_KEY!r} entry and is not an mlx-lm prompt cache (metadata keys: "
-                f"{keys}). Load it with the tool that wrote it, or write it with kvstate.save"
-            )
+    elif is_mlx_lm_file(meta):
         state, user = load_mlx_lm(path, meta, _load_arrays(path))
+    else:
+        raise FileFormatError(
+            f"{path!r} is a safetensors file but not a kvstate file: its metadata has "
+            f"no {_FORMAT_KEY!r} entry and is not an mlx-lm prompt cache (metadata keys: "
+            f"{sorted(meta)[:8]}). Load it with the tool that wrote it, or write it with "
+            "kvstate.save"
+        )
     return (state, user) if return_metadata else state
 
 
@@ -190,15 +189,18 @@ def _dtype_name(a: mx.array, name: str) -> str:
 
 def _digest(a: mx.array) -> str:
     """sha256 of the array's bytes in row-major order (a same-size uint view: numpy has no bf16)."""
-    return _sha256(np.asarray(a.view(_UINTS[a.dtype.size])).tobytes())
+    # Hashing the contiguous buffer directly avoids a tobytes() copy (slower than the hash).
+    return _sha256(np.ascontiguousarray(np.asarray(a.view(_UINTS[a.dtype.size]))))
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: Any) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _write_atomically(path: str, arrays: dict[str, mx.array], header: dict[str, str]) -> None:
     directory, base = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"save: directory {directory!r} does not exist; create it first")
     # mlx appends ".safetensors" to names without it; give the temporary name that suffix.
     tmp = os.path.join(directory, f".{base}.{uuid.uuid4().hex}.tmp.safetensors")
     try:

@@ -277,6 +277,8 @@ _CLASSES: dict[str, tuple[int | None, Callable[[_Reader, Tree], Any]]] = {
     "RotatingKVCache": (6, _rotating),
     "BatchRotatingKVCache": (8, _batch_rotating),
     "QuantizedKVCache": (5, _quantized),
+    # adapters.to_mlx_lm's subclass (fixed packing); save_prompt_cache records its name.
+    "PackedQuantizedKVCache": (5, _quantized),
     "ChunkedKVCache": (5, _chunked),
     "ArraysCache": (3, _arrays),
     "CacheList": (None, _cache_list),

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -172,6 +173,20 @@ def test_save_refuses_what_it_cannot_write_and_writes_nothing(state, metadata, t
     assert os.listdir(tmp_path) == []
 
 
+def test_tuple_and_list_roots_round_trip(tmp_path):
+    path = tmp_path / "s.safetensors"
+    for tree in [(SAMPLES["dense"], SAMPLES["recurrent"]), [SAMPLES["list"], None]]:
+        ks.save(path, tree)
+        back = ks.load(path)
+        assert type(back) is type(tree)
+        assert_identical(back, tree)
+
+
+def test_save_into_a_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ks.save(tmp_path / "no" / "s.safetensors", SAMPLES["dense"])
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -272,6 +287,14 @@ def test_json_edited_without_updating_its_checksum(saved):
 
     rewrite(saved, body=edit, rehash=False)
     expect_error(saved, "checksum of the state description", "edited")
+
+
+def test_header_edited_in_place(saved):
+    raw = read(saved)
+    n, _ = header_of(saved)
+    at = raw.index(b"DenseKV", 0, 8 + n)  # inside the escaped JSON body
+    write(saved, raw[:at] + b"DenseKX" + raw[at + 7 :])
+    expect_error(saved, "checksum of the state description")
 
 
 def test_edited_shape_and_dtype_are_caught_even_with_a_recomputed_checksum(saved):
@@ -501,6 +524,20 @@ def test_mlx_lm_file_of_a_whole_hybrid_model_equals_the_adapters(tmp_path):
     if (reason := adapter_missing(reference)) is not None:
         pytest.skip(reason)
     assert_identical(state, from_mlx_lm(reference))
+
+
+def test_reads_save_prompt_cache_of_adapter_caches(tmp_path):
+    """to_mlx_lm may hand out adapter subclasses (PackedQuantizedKVCache); their files load."""
+    from adapters import to_mlx_lm
+
+    path = str(tmp_path / "prompt.safetensors")
+    state = ModelState((SAMPLES["quantized"], SAMPLES["dense"]))
+    caches = to_mlx_lm(state)
+    save_prompt_cache(path, caches)
+    back = ks.load(path)
+    quantized = back.layers[0]
+    assert type(quantized) is QuantizedKV and quantized.appended == 0  # caches have no `appended`
+    assert_identical(back, ModelState(tuple(attrs.evolve(s, appended=0) for s in state.layers)))
 
 
 def test_mlx_lm_file_with_an_unknown_cache_class(tmp_path):
