@@ -50,6 +50,8 @@ __all__ = [
     "list_states",
     "model_states",
     "quantized_kv_states",
+    "QUANT_BITS",
+    "recurrent_checkpoints",
     "recurrent_states",
     "rotating_kv_states",
 ]
@@ -158,23 +160,221 @@ def accepted_counts(draw: Any, state: Any, *, ragged: Knob = None) -> int | list
 
 
 # ---------------------------------------------------------------------------------------
-# Kinds being written (filled in as their modules land)
+# Quantized KV (QuantizedKVCache)
+# ---------------------------------------------------------------------------------------
+
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+"""The bit widths kvstate supports (`kvstate.quantize`)."""
+
+
+@st.composite
+def quantized_kv_states(
+    draw: Any,
+    *,
+    batch: Knob = None,
+    heads: Knob = None,
+    bits: Knob = None,
+    group_size: Knob = None,
+    k_groups: Knob = None,
+    v_groups: Knob = None,
+    dtype: Knob = None,
+    max_length: int = 10,
+    length: Knob = None,
+    empty: Knob = None,
+    appended: Knob = None,
+) -> QuantizedKV:
+    """A `QuantizedKV` (unpadded, like mlx-lm's QuantizedKVCache: one length for all rows).
+
+    Draws: batch in 1..3; heads in 1..2; bits in `QUANT_BITS`; group size in {32, 64};
+    key / value head dims of 1..2 groups each; the scales' dtype in `DTYPES`; length in
+    1..max_length (or `keys is None`, length 0, with `empty=True`); spare capacity past the
+    length (garbage); `appended` in 0..length. Keys and values are `mx.quantize` triples of
+    random normal data: packed uint32 (B, H, capacity, D*bits//32), scales and biases
+    (B, H, capacity, D//group_size).
+    """
+    batch = _knob(draw, batch, st.integers(1, 3))
+    heads = _knob(draw, heads, st.integers(1, 2))
+    bits = _knob(draw, bits, st.sampled_from(QUANT_BITS))
+    group_size = _knob(draw, group_size, st.sampled_from([32, 64]))
+    k_groups = _knob(draw, k_groups, st.integers(1, 2))
+    v_groups = _knob(draw, v_groups, st.integers(1, 2))
+    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    appended = _knob(draw, appended, st.none())
+    if length is None:
+        empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+    else:
+        empty = length == 0
+    if empty:
+        return QuantizedKV(group_size=group_size, bits=bits)
+    length = _knob(draw, length, st.integers(max(1, appended or 0), max(max_length, appended or 0)))
+    if appended is None:
+        appended = draw(st.integers(0, length))
+    capacity = length + draw(st.integers(0, 3))
+    seed = draw(_SEEDS)
+
+    def triple(dim: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+        data = _noise(seed + offset, (batch, heads, capacity, dim), dtype)
+        packed, scales, biases = mx.quantize(data, group_size=group_size, bits=bits)
+        return (packed, scales, biases)
+
+    return QuantizedKV(
+        triple(k_groups * group_size, 0),
+        triple(v_groups * group_size, 1),
+        length=length,
+        group_size=group_size,
+        bits=bits,
+        appended=appended,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Chunked KV (ChunkedKVCache)
 # ---------------------------------------------------------------------------------------
 
 
+@st.composite
+def chunked_kv_states(
+    draw: Any,
+    *,
+    batch: Knob = None,
+    heads: Knob = None,
+    k_dim: Knob = None,
+    v_dim: Knob = None,
+    dtype: Knob = None,
+    chunk_size: Knob = None,
+    empty: Knob = None,
+    appended: Knob = None,
+) -> ChunkedKV:
+    """A `ChunkedKV` (unpadded, like mlx-lm's ChunkedKVCache), made the way a model makes
+    one: an earlier state (drawn: start_position in 0..6, 1..chunk_size+2 valid entries,
+    spare capacity) goes through one forward of `appended` (0..3) tokens, which first drops
+    the front past `chunk_size` (mlx-lm's `maybe_trim_front`) and then appends. A forward of
+    more than one token keeps the earlier state in `previous` (`commit_prefix` restores it).
+
+    Draws: batch in 1..3, heads in 1..2, head dims in {2, 4, 8}, dtype in `DTYPES`,
+    chunk_size in 2..6; `empty=True` gives `keys is None`. keys (B, H, capacity, Dk).
+    """
+    batch = _knob(draw, batch, st.integers(1, 3))
+    heads = _knob(draw, heads, st.integers(1, 2))
+    k_dim = _knob(draw, k_dim, st.sampled_from([2, 4, 8]))
+    v_dim = _knob(draw, v_dim, st.sampled_from([2, 4, 8]))
+    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    chunk_size = _knob(draw, chunk_size, st.integers(2, 6))
+    appended = _knob(draw, appended, st.none())
+    empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+    if empty:
+        return ChunkedKV(chunk_size=chunk_size)
+    if appended is None:
+        appended = draw(st.integers(0, 3))
+    seed = draw(_SEEDS)
+    start = draw(st.integers(0, 6))
+    held = draw(st.integers(0 if appended else 1, chunk_size + 2))
+    spare = draw(st.integers(0, 3))
+
+    def buffer(n: int, dim: int, offset: int) -> mx.array:
+        return _noise(seed + offset, (batch, heads, n, dim), dtype)
+
+    before = ChunkedKV(
+        buffer(held + spare, k_dim, 0) if held else None,
+        buffer(held + spare, v_dim, 1) if held else None,
+        chunk_size=chunk_size,
+        offset=start + held if held else 0,
+        start_position=start if held else 0,
+    )
+    if appended == 0:
+        return before
+    # The forward: maybe_trim_front, then append `appended` tokens (a fresh buffer; the
+    # capacity past the valid entries is irrelevant).
+    keys, values, first = before.keys, before.values, before.start_position
+    if keys is not None and values is not None and held > chunk_size:
+        trim = held - chunk_size
+        keys, values, first, held = (
+            keys[..., trim:held, :],
+            values[..., trim:held, :],
+            first + trim,
+            chunk_size,
+        )
+    new_k, new_v = buffer(appended, k_dim, 2), buffer(appended, v_dim, 3)
+    if keys is not None and values is not None:
+        new_k = mx.concatenate([keys[..., :held, :], new_k], axis=2)
+        new_v = mx.concatenate([values[..., :held, :], new_v], axis=2)
+    return ChunkedKV(
+        new_k,
+        new_v,
+        previous=before if appended > 1 else None,
+        chunk_size=chunk_size,
+        offset=before.offset + appended,
+        start_position=first,
+        appended=appended,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Recurrent state (ArraysCache)
+# ---------------------------------------------------------------------------------------
+
+_TRAILING = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
+
+
+@st.composite
+def recurrent_states(
+    draw: Any,
+    *,
+    batch: Knob = None,
+    shapes: Knob = None,
+    dtype: Knob = None,
+    bookkeeping: Knob = None,
+    empty: Knob = None,
+    appended: Knob = None,
+) -> RecurrentState:
+    """A `RecurrentState` (mlx-lm's ArraysCache: conv windows, SSM states).
+
+    Draws: batch in 1..3; `shapes`, the trailing shape of each of 1..3 arrays (each 1..3
+    dims of 1..4; the arrays are (B, *shape)); dtype in `DTYPES`; with `bookkeeping`,
+    per-row `left_padding` and `lengths` (B,) int32 as a batched prompt leaves them;
+    `empty=True` gives every array None (no forward yet); `appended` in 0..3. Commit a
+    drawn state with `recurrent_checkpoints(state)`.
+    """
+    batch = _knob(draw, batch, st.integers(1, 3))
+    shapes = _knob(draw, shapes, st.lists(_TRAILING, min_size=1, max_size=3).map(tuple))
+    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    bookkeeping = _knob(draw, bookkeeping, st.booleans())
+    appended = _knob(draw, appended, st.integers(0, 3))
+    empty = _knob(draw, empty, st.sampled_from([False, False, True]))
+    seed = draw(_SEEDS)
+    left_padding = lengths = None
+    if bookkeeping:
+        ints = st.lists(st.integers(-4, 4), min_size=batch, max_size=batch)
+        left_padding = mx.array(draw(ints), mx.int32)
+        lengths = mx.array(draw(ints), mx.int32)
+    elif empty and batch != 1:
+        left_padding = mx.zeros((batch,), mx.int32)  # an empty state's batch axis
+    arrays = tuple(
+        None if empty else _noise(seed + i, (batch, *shape), dtype)
+        for i, shape in enumerate(shapes)
+    )
+    return RecurrentState(arrays, left_padding, lengths, appended=appended)
+
+
+@st.composite
+def recurrent_checkpoints(draw: Any, state: RecurrentState) -> tuple[mx.array | None, ...]:
+    """Checkpoints that fit `state` for `commit_prefix(state, accepted, checkpoints)`: per
+    array, (B, appended+1, *shape) whose entry t is the array after t tokens of the last
+    forward; entry `appended` is the state's own array (random before it). None for an
+    array that is None."""
+    seed = draw(_SEEDS)
+    steps = appended_of(state)
+    out: list[mx.array | None] = []
+    for i, a in enumerate(state.arrays):
+        if a is None:
+            out.append(None)
+            continue
+        earlier = _noise(seed + i, (a.shape[0], steps, *a.shape[1:]), a.dtype)
+        out.append(mx.concatenate([earlier, a[:, None]], axis=1))
+    return tuple(out)
+
+
 def rotating_kv_states(**kwargs: Any) -> st.SearchStrategy[RotatingKV]:
-    raise NotImplementedError
-
-
-def quantized_kv_states(**kwargs: Any) -> st.SearchStrategy[QuantizedKV]:
-    raise NotImplementedError
-
-
-def chunked_kv_states(**kwargs: Any) -> st.SearchStrategy[ChunkedKV]:
-    raise NotImplementedError
-
-
-def recurrent_states(**kwargs: Any) -> st.SearchStrategy[RecurrentState]:
     raise NotImplementedError
 
 

@@ -11,22 +11,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import initialize, invariant, rule
 from mlx_lm.models.cache import BatchKVCache
 
 import kvstate as ks
 from adapters import to_mlx_lm
 from kvstate.testing import DTYPES, accepted_counts, dense_kv_states
 
+from ._machine import RowMachine
 from ._reference import (
     Row,
-    Witness,
     assert_rows_equal,
     bits,
     cache_forward,
@@ -34,10 +28,8 @@ from ._reference import (
     noise,
 )
 
-MAX_BATCH = 6
 
-
-class DenseMachine(RuleBasedStateMachine):
+class DenseMachine(RowMachine):
     """One DenseKV evolving under forwards and every transform, next to its reference rows."""
 
     @initialize(
@@ -49,33 +41,19 @@ class DenseMachine(RuleBasedStateMachine):
         padded=st.booleans(),
     )
     def start(self, data, heads, k_dim, v_dim, dtype, padded):
-        self.data = data
         self.config = {"heads": heads, "k_dim": k_dim, "v_dim": v_dim, "dtype": dtype}
-        self.witness = Witness()
         self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
-        self.state = self.witness.hold(
-            data.draw(dense_kv_states(padded=padded, **self.config), label="initial"), "initial"
-        )
-        self.rows = dense_rows(self.state)  # the drawn state *defines* the reference's start
-        self.pending = self.state.appended
+        # The drawn state *defines* the reference's start.
+        self.begin(data, data.draw(dense_kv_states(padded=padded, **self.config), label="initial"))
 
-    # -- helpers -------------------------------------------------------------------------
+    def draw_state(self, label, batch=None):
+        return self.data.draw(dense_kv_states(batch=batch, **self.config), label=label)
 
-    def other_state(self, label: str, batch=None) -> ks.DenseKV:
-        s = self.data.draw(dense_kv_states(batch=batch, **self.config), label=label)
-        return self.witness.hold(s, label)
+    def read_rows(self, state):
+        return dense_rows(state)
 
-    def apply(self, what: str, fn, *inputs):
-        """Run a transform, then check its inputs are unchanged and hold its output."""
-        out = ks.eval(fn(*inputs))
-        self.witness.check()
-        return self.witness.hold(out, what)
-
-    @property
-    def batch(self) -> int:
-        return len(self.rows)
-
-    # -- rules ---------------------------------------------------------------------------
+    def assert_rows(self):
+        assert_rows_equal(dense_rows(self.state), self.rows, "DenseKV")
 
     @rule(k=st.integers(1, 4))
     def forward(self, k):
@@ -100,68 +78,6 @@ class DenseMachine(RuleBasedStateMachine):
             rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
         self.rows, self.pending = rows, 0
 
-    @precondition(lambda self: self.batch <= MAX_BATCH // 2)
-    @rule(n=st.integers(1, 3))
-    def tile(self, n):
-        self.state = self.apply("tile", ks.tile, self.state, n)
-        self.rows = [r for r in self.rows for _ in range(n)]
-
-    @rule(data=st.data())
-    def row_select(self, data):
-        rows = data.draw(self.row_indices(), label="rows")
-        self.state = self.apply("row_select", ks.row_select, self.state, rows)
-        self.rows = [self.rows[i] for i in ([rows] if isinstance(rows, int) else rows)]
-
-    @rule(data=st.data())
-    def filter(self, data):
-        rows = data.draw(self.row_indices(), label="rows")
-        self.state = self.apply("filter", ks.filter, self.state, rows)
-        self.rows = [self.rows[i] for i in ([rows] if isinstance(rows, int) else rows)]
-
-    def row_indices(self):
-        b = self.batch
-        index = st.integers(-b, b - 1)
-        return st.one_of(index, st.lists(index, min_size=1, max_size=min(4, MAX_BATCH)))
-
-    @precondition(lambda self: self.batch < MAX_BATCH)
-    @rule(data=st.data(), first=st.booleans())
-    def merge(self, data, first):
-        other = self.other_state("merge partner", batch=1)
-        extra = [self.other_state("merge partner 2", batch=1)] if data.draw(st.booleans()) else []
-        states = [self.state, other, *extra] if first else [other, *extra, self.state]
-        self.state = self.apply("merge", ks.merge, states)
-        ours, theirs = self.rows, [r for s in [other, *extra] for r in dense_rows(s)]
-        self.rows = ours + theirs if first else theirs + ours
-        self.pending = 0
-
-    @precondition(lambda self: self.batch < MAX_BATCH)
-    @rule(first=st.booleans())
-    def extend(self, first):
-        other = self.other_state("extend partner", batch=None)
-        pair = (self.state, other) if first else (other, self.state)
-        self.state = self.apply("extend", ks.extend, *pair)
-        ours, theirs = self.rows, dense_rows(other)
-        self.rows = ours + theirs if first else theirs + ours
-        self.pending = 0
-
-    @rule(data=st.data())
-    def extract(self, data):
-        row = data.draw(st.integers(-self.batch, self.batch - 1), label="row")
-        self.state = self.apply("extract", ks.extract, self.state, row)
-        self.rows = [self.rows[row]]
-        self.pending = 0
-
-    @rule()
-    def snapshot(self):
-        self.state = self.apply("snapshot", ks.snapshot, self.state)
-
-    # -- invariants ----------------------------------------------------------------------
-
-    @invariant()
-    def rows_match_reference(self):
-        assert ks.batch_size(self.state) == self.batch
-        assert_rows_equal(dense_rows(self.state), self.rows, "DenseKV")
-
     @invariant()
     def bookkeeping_matches_mlx_lm(self):
         """mlx-lm's reading of the state (offsets = RoPE positions) agrees with the rows."""
@@ -173,10 +89,6 @@ class DenseMachine(RuleBasedStateMachine):
             assert np.array(cache.left_padding).tolist() == [cache._idx - n for n in lengths]
         else:
             assert [cache.offset] * self.batch == lengths
-
-    @invariant()
-    def nothing_seen_changed(self):
-        self.witness.check()
 
 
 TestDenseMachine = DenseMachine.TestCase
