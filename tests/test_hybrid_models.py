@@ -9,7 +9,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
+from adapters import _capture as capture_module
 from adapters import wrap
+from adapters._wrap import WrappedModel
 from adapters.tiny_models import VOCAB, tiny_model
 from tests.helpers import assert_unchanged, frozen_copy, greedy_reference, raw_logits
 
@@ -78,8 +80,18 @@ def test_logits_equal_mlx_lm_under_teacher_forcing(model):
         at += size
 
 
+@pytest.fixture(scope="module", params=["fast", "replay"])
+def path(request):
+    """Which capturing path runs: recording inside the known mixers, or (with no mixer
+    known) the automatic fallback that replays the whole model token by token."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "replay":
+            mp.setattr(capture_module, "KNOWN_MIXERS", frozenset())
+        yield request.param
+
+
 @pytest.fixture(scope="module")
-def verified(model):
+def verified(model, path):
     """(state after the prompt, verify logits, state after the verify, checkpoints)."""
     m = wrap(model)
     _, state = m(mx.array([PROMPT]), m.init_state())
@@ -87,11 +99,18 @@ def verified(model):
     return state, logits, after, checkpoints
 
 
-def test_capturing_forward_equals_the_plain_forward(model, verified):
+def test_capturing_forward_equals_the_plain_forward(model, path, verified):
+    """The replay path returns exactly the plain forward's logits and state; the fast path
+    runs the recurrent mixers token by token, so equal up to rounding."""
     state, logits, after, checkpoints = verified
     plain_logits, plain = wrap(model)(mx.array([DRAFT]), state)
-    np.testing.assert_array_equal(np.array(logits), np.array(plain_logits))
-    assert_unchanged(after, frozen_copy(plain))
+    ours, theirs = frozen_copy((logits, after)), frozen_copy((plain_logits, plain))
+    assert ours[1] == theirs[1]
+    for a, b in zip(ours[0], theirs[0], strict=True):
+        if path == "replay":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, **TOL)
     (ref,) = mlx_lm_logits(model, [PROMPT, DRAFT])[1:]
     np.testing.assert_allclose(np.array(logits), ref, **TOL)
     # Entry 0 of a checkpoint is the state before the verify, entry K the state after it.
@@ -140,7 +159,21 @@ def test_commit_without_checkpoints_raises_unless_everything_is_kept(model, veri
         np.testing.assert_array_equal(now, then)
 
 
-def test_ragged_commit_equals_per_row_decode(model):
+def test_known_mixers_need_no_replay_and_get_their_classes_back(model, monkeypatch):
+    m = wrap(model)
+    _, state = m(mx.array([PROMPT]), m.init_state())
+    classes = [type(mod) for mod in model.modules()]
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the capturing forward replayed the model")
+
+    monkeypatch.setattr(WrappedModel, "forward", no_replay)
+    _, _, checkpoints = m(mx.array([DRAFT]), state, capture=True)
+    assert any(c is not None for c in checkpoints)
+    assert [type(mod) for mod in model.modules()] == classes
+
+
+def test_ragged_commit_equals_per_row_decode(model, path):
     """Three rows of one batch keep different prefixes of their verify; each row then
     decodes like a batch-1 mlx-lm decode of exactly its accepted tokens."""
     m = wrap(model)
@@ -162,7 +195,7 @@ def test_ragged_commit_equals_per_row_decode(model):
             np.testing.assert_allclose(got[step][row], expected[step][0, -1], **TOL)
 
 
-def test_speculative_greedy_decode_equals_generate_step(model):
+def test_speculative_greedy_decode_equals_generate_step(model, path):
     """A draft-and-verify loop (drafts: the oracle's tokens, a third of them corrupted)
     through capture + commit_prefix emits exactly mlx-lm's greedy tokens."""
     n, k = 36, 4

@@ -10,6 +10,7 @@ from mlx_lm.generate import _merge_caches, _right_pad_prompts
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, make_prompt_cache
 
 import kvstate as ks
+from adapters import _capture as capture_module
 from adapters import from_mlx_lm, to_mlx_lm, wrap
 from adapters.tiny_models import tiny_model
 from tests.helpers import assert_unchanged, frozen_copy
@@ -319,3 +320,54 @@ def test_ragged_commit_picks_each_rows_checkpoint_and_restores_bookkeeping():
         ks.commit_prefix(state, 1, (mx.array(conv), mx.array(ssm[:, :4]), mx.zeros((3, 5))))
     with pytest.raises(ks.ShapeError, match=r"\[0\]: expected shape \(3, 5, 2, 4\) dtype"):
         ks.commit_prefix(state, 1, (mx.array(conv).astype(mx.float16), mx.array(ssm), None))
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints entry by entry, against mlx-lm run on each prefix of the verify.
+# ---------------------------------------------------------------------------------------
+
+
+def left_padded_caches(model, left_padding: list[int]) -> list:
+    """mlx-lm caches for left-padded prompts: ArraysCache and BatchKVCache with padding."""
+    caches = []
+    for c in make_prompt_cache(model):
+        if isinstance(c, ArraysCache):
+            caches.append(ArraysCache(len(c.cache), left_padding=left_padding))
+        else:
+            caches.append(BatchKVCache(left_padding))
+    return caches
+
+
+def recurrent_layers(caches_or_state):
+    layers = (
+        caches_or_state.layers if isinstance(caches_or_state, ks.ModelState) else caches_or_state
+    )
+    return [i for i, c in enumerate(layers) if isinstance(c, (ArraysCache, ks.RecurrentState))]
+
+
+@pytest.mark.parametrize("capture_path", ["fast", "replay"])
+def test_checkpoint_entry_t_is_mlx_lm_after_t_tokens_of_a_left_padded_batch(
+    model, capture_path, monkeypatch
+):
+    """Rows padded on the left (so the recurrent layers see a mask with False entries):
+    entry t of every checkpoint is the array mlx-lm holds after the first t tokens."""
+    if capture_path == "replay":
+        monkeypatch.setattr(capture_module, "KNOWN_MIXERS", frozenset())
+    padding = [2, 0, 3]
+    tokens = mx.array([[0] * p + PROMPTS[1][: 7 - p] for p in padding])
+    m = wrap(model)
+    state = from_mlx_lm(left_padded_caches(model, padding))
+    logits, after, checkpoints = m(tokens, state, capture=True)
+    ref_logits = model(tokens, cache=left_padded_caches(model, padding))
+    np.testing.assert_allclose(np.array(logits), np.array(ref_logits), rtol=1e-4, atol=1e-4)
+    layers = recurrent_layers(after)
+    assert layers
+    for t in range(1, 8):
+        caches = left_padded_caches(model, padding)
+        model(tokens[:, :t], cache=caches)
+        for i in layers:
+            for a, c in zip(checkpoints[i], caches[i].cache, strict=True):
+                np.testing.assert_allclose(np.array(a[:, t]), np.array(c), rtol=1e-4, atol=1e-4)
+    for i in layers:  # entry 0: before the verify, None written as zeros
+        for a in checkpoints[i]:
+            assert not np.array(a[:, 0]).any()
