@@ -1,0 +1,194 @@
+"""Shared benchmark machinery: interleaved timing, paired ratios, memory probes, markdown.
+
+Why interleaved and paired: the machines are shared and noisy, so absolute times drift
+over a run. Each repetition times every contender once, back to back, in a rotating order,
+and a figure is the median over repetitions of the per-repetition ratio (a / b). Drift
+that hits both halves of a pair cancels; the inter-quartile range of the paired ratios
+is shown so a reader can see how noisy a figure was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+# --------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Contender:
+    """One side of a comparison.
+
+    `setup()` runs untimed before every repetition and returns the argument of `run`
+    (fresh inputs for APIs that mutate them). `run(arg)` is the timed part; it must end
+    with an eval of everything it produced, so lazy work is not left out of the clock, and
+    return what it produced, so that freeing it happens after the clock stops.
+    """
+
+    name: str
+    run: Callable[[Any], Any]
+    setup: Callable[[], Any] = lambda: None
+    inner: int = 1  # calls per timed block, for sub-millisecond operations (time is per call)
+
+
+@dataclass
+class Samples:
+    times: dict[str, list[float]] = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def paired_ratio(self, a: str, b: str) -> tuple[float, float, float]:
+        """(median, 25th, 75th percentile) of the per-repetition ratio time(a) / time(b)."""
+        ratios = sorted(x / y for x, y in zip(self.times[a], self.times[b], strict=True))
+        return statistics.median(ratios), _quantile(ratios, 0.25), _quantile(ratios, 0.75)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def interleave(contenders: Sequence[Contender], reps: int, warmup: int = 2) -> Samples:
+    """Time every contender once per repetition, rotating the order each repetition."""
+    samples = Samples({c.name: [] for c in contenders})
+    n = len(contenders)
+    was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside a timed region would land on one contender only
+    try:
+        for rep in range(warmup + reps):
+            order = [contenders[(rep + i) % n] for i in range(n)]
+            for c in order:
+                arg = c.setup()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(c.inner):
+                    result = c.run(arg)
+                t1 = time.perf_counter()
+                del arg, result  # freeing buffers is not part of the operation
+                if rep >= warmup:
+                    samples.times[c.name].append((t1 - t0) / c.inner)
+            gc.collect()
+    finally:
+        if was_enabled:
+            gc.enable()
+    return samples
+
+
+def sync() -> None:
+    """Wait for the default stream (a no-op cost on CPU; matters on a GPU)."""
+    mx.synchronize()
+
+
+# --------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------
+
+
+def active_delta(fn: Callable[[], Any]) -> tuple[int, int, Any]:
+    """Run `fn` (which must eval what it returns) and report
+    (active-memory delta while its result is alive, peak above the starting active, result)."""
+    gc.collect()
+    sync()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = fn()
+    sync()
+    return mx.get_active_memory() - before, mx.get_peak_memory() - before, out
+
+
+# --------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_bytes(n: float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def fmt_ratio(stats: tuple[float, float, float]) -> str:
+    med, lo, hi = stats
+    return f"**{med:.3f}** [{lo:.3f}, {hi:.3f}]"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def device_name() -> str:
+    dev = mx.default_device()
+    try:
+        info = mx.device_info()
+        name = info.get("device_name", "")
+    except Exception:  # older MLX: no device_info
+        name = ""
+    return f"{dev} {name}".strip()
+
+
+def environment(quick: bool) -> str:
+    """The machine, command and versions, as a markdown list."""
+    import mlx_lm
+
+    cores = os.cpu_count()
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    return "\n".join(
+        [
+            f"- machine: {platform.node()} ({platform.machine()}, {cores} cores, "
+            f"{platform.system()} {platform.release()})",
+            f"- MLX device: {device_name()}",
+            f"- mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, "
+            f"Python {platform.python_version()}",
+            f"- command: `{command}`" + (" (quick mode: fewer repetitions)" if quick else ""),
+            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        ]
+    )
+
+
+def parse_quick(description: str) -> bool:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    return bool(parser.parse_args().quick)
+
+
+def main_for(title: str, run: Callable[[bool], str], description: str) -> None:
+    """The `python benchmarks/<name>.py [--quick]` entry point of one benchmark."""
+    quick = parse_quick(description)
+    print(f"# {title}\n\n{environment(quick)}\n")
+    print(run(quick))
