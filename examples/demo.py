@@ -1,11 +1,12 @@
 """kvstate demo: batched speculative decoding on a random-init hybrid model, no downloads.
 
 A qwen3_next-style model (gated-delta linear attention + full attention, built in code) is
-wrapped as a pure function. Three prompts are prefilled separately and merged into one
-batch; the batch then decodes with prompt-lookup speculation: each row drafts K tokens from
-its own history, one forward verifies all rows, and every row keeps its own accepted prefix
-(ragged `commit_prefix`, with the recurrent layers rolled back from checkpoints). The result
-is checked against plain greedy decoding, token for token.
+wrapped as a pure function, and so is a draft model (the same model with perturbed weights,
+standing in for a distilled draft). Three prompts are prefilled separately and merged into
+one batch; then each round the draft proposes K tokens per row, one target forward verifies
+all rows, and every row keeps its own accepted prefix: a ragged `commit_prefix` on both
+models' states, with the gated-delta layers rolled back from checkpoints. The result is
+checked against plain greedy decoding, token for token.
 
 Run: python examples/demo.py
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
 import kvstate as ks
 from adapters import wrap
@@ -25,14 +27,26 @@ NEW_TOKENS = 32
 K = 4  # draft length
 
 
-def draft_from_history(history: list[int], k: int) -> list[int]:
-    """Prompt-lookup drafting: continue the latest earlier occurrence of the last token."""
-    last = history[-1]
-    for start in range(len(history) - 2, -1, -1):
-        if history[start] == last:
-            follow = history[start + 1 : start + 1 + k]
-            return follow + [last] * (k - len(follow))
-    return [last] * k
+def draft_model(noise: float = 0.01):
+    """The target's weights, each perturbed by `noise` of its magnitude."""
+    model = tiny_model("qwen3_next")
+    mx.random.seed(1)
+    params = tree_flatten(model.parameters())
+    model.update(
+        tree_unflatten([(k, v + noise * mx.random.normal(v.shape) * mx.abs(v)) for k, v in params])
+    )
+    return model
+
+
+def propose(draft, state, last: mx.array) -> list[list[int]]:
+    """K greedy draft tokens per row. The drafting states are thrown away: the draft's kept
+    state catches up in one forward once the target has decided."""
+    y, out = last, []
+    for _ in range(K):
+        logits, state = draft(y, state)
+        y = logits[:, -1:].argmax(-1)
+        out.append(y)
+    return mx.concatenate(out, axis=1).tolist()
 
 
 def plain_greedy(m, prompt: list[int]) -> list[int]:
@@ -45,36 +59,35 @@ def plain_greedy(m, prompt: list[int]) -> list[int]:
     return out
 
 
-def speculative_batch(m) -> tuple[list[list[int]], list[int]]:
+def speculative_batch(m, draft) -> tuple[list[list[int]], ks.ModelState]:
     # Prefill each prompt alone, then batch them: merge aligns rows with left padding.
     starts = [m(mx.array([p]), m.init_state()) for p in PROMPTS]
     state = ks.merge([s for _, s in starts])
+    draft_state = ks.merge([draft(mx.array([p]), draft.init_state())[1] for p in PROMPTS])
     last = [int(logits[0, -1].argmax().item()) for logits, _ in starts]
-    histories = [list(p) + [t] for p, t in zip(PROMPTS, last, strict=True)]
     outputs = [[t] for t in last]
-    accepted_total, forwards = [0, 0, 0], 0
+    accepted_total, rounds = [0] * len(PROMPTS), 0
 
     while min(len(o) for o in outputs) < NEW_TOKENS:
-        drafts = [draft_from_history(h, K) for h in histories]
-        tokens = mx.array([[h[-1], *d] for h, d in zip(histories, drafts, strict=True)])
-        before = ks.snapshot(state)  # O(1): the state can never change under us
-        logits, state, checkpoints = m(tokens, state, capture=True)
-        forwards += 1
-        verified = logits.argmax(-1).tolist()  # target's greedy choice after each position
+        y = mx.array([[o[-1]] for o in outputs])  # each row's newest token, not yet in a state
+        drafts = propose(draft, draft_state, y)
+        tokens = mx.concatenate([y, mx.array(drafts)], axis=1)  # (B, 1 + K)
+        logits, verified, checkpoints = m(tokens, state, capture=True)
+        targets = logits.argmax(-1).tolist()  # the target's choice after each position
         keep = []
-        for row, (draft, target) in enumerate(zip(drafts, verified, strict=True)):
+        for row, (proposal, target) in enumerate(zip(drafts, targets, strict=True)):
             n = 0
-            while n < K and draft[n] == target[n]:
+            while n < K and proposal[n] == target[n]:
                 n += 1
-            new = draft[:n] + [target[n]]  # accepted drafts plus the target's own next token
-            outputs[row] += new
-            histories[row] += new
+            outputs[row] += [*proposal[:n], target[n]]  # accepted drafts + the target's token
             accepted_total[row] += n
-            keep.append(n + 1)  # the last token plus n accepted drafts stay in the state
-        state = ks.commit_prefix(state, keep, checkpoints)
-        assert ks.batch_size(before) == ks.batch_size(state)
-    print(f"  verify forwards: {forwards} for {NEW_TOKENS} tokens per row")
-    print(f"  drafts accepted per row: {accepted_total}")
+            keep.append(n + 1)  # y and the n accepted drafts stay in the states
+        state = ks.commit_prefix(verified, keep, checkpoints)
+        _, caught_up, draft_checkpoints = draft(tokens, draft_state, capture=True)
+        draft_state = ks.commit_prefix(caught_up, keep, draft_checkpoints)
+        rounds += 1
+    print(f"  {rounds} verify forwards for {NEW_TOKENS} tokens per row")
+    print(f"  draft tokens accepted per row: {accepted_total} (of {rounds * K} proposed)")
     return [o[:NEW_TOKENS] for o in outputs], state
 
 
@@ -92,15 +105,11 @@ def main() -> None:
     m = wrap(model)
     print("kvstate demo: random-init qwen3_next (gated delta + attention), batch of 3 prompts")
 
-    print("speculative batched decode (prompt lookup, ragged commit):")
-    t0 = time.perf_counter()
-    speculative, state = speculative_batch(m)
-    print(f"  {time.perf_counter() - t0:.2f} s")
+    print("speculative batched decode (draft model, K=4, ragged commit):")
+    speculative, state = speculative_batch(m, wrap(draft_model()))
 
     print("plain greedy decode of each prompt alone (the oracle):")
-    t0 = time.perf_counter()
     reference = [plain_greedy(m, p) for p in PROMPTS]
-    print(f"  {time.perf_counter() - t0:.2f} s")
 
     for row, (got, want) in enumerate(zip(speculative, reference, strict=True)):
         status = "identical" if got == want else "DIFFERENT"
@@ -113,7 +122,9 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(1000):
         ks.snapshot(state)
-    print(f"snapshot: {(time.perf_counter() - t0) * 1e3:.3f} us each, 0 bytes (states are immutable)")
+    print(
+        f"snapshot: {(time.perf_counter() - t0) * 1e3:.3f} us each, 0 bytes (states are immutable)"
+    )
     row = ks.extract(state, 1)
     print(f"extract(row 1): batch {ks.batch_size(row)}, {ks.nbytes(ks.eval(row)) / 1024:.1f} KiB")
     print("ok")
