@@ -62,4 +62,4 @@ def dense_state(length: int, layers: int = 8, batch: int = 1, seed: int = 0) -> 
     """A ModelState of DenseKV layers converted from freshly filled caches (nothing else
     holds its buffers, so in-place updates can donate them)."""
     state = from_mlx_lm(filled_caches(length, layers, batch, seed))
-    return kvstate.eval(state)  # type: ignore[no-any-return]
+    return kvstate.eval(state)

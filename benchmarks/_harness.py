@@ -173,7 +173,7 @@ def environment(quick: bool) -> str:
             f"- machine: {platform.node()} ({platform.machine()}, {cores} cores, "
             f"{platform.system()} {platform.release()})",
             f"- MLX device: {device_name()}",
-            f"- mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, "
+            f"- mlx {getattr(mx, '__version__', '?')}, mlx-lm {getattr(mlx_lm, '__version__', '?')}, "
             f"Python {platform.python_version()}",
             f"- command: `{command}`" + (" (quick mode: fewer repetitions)" if quick else ""),
             f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",

@@ -20,6 +20,7 @@ Run: .venv/bin/python benchmarks/commit.py [--quick]
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -55,7 +56,7 @@ def base_state(context: int) -> kvstate.ModelState:
                 appended=APPENDED,
             )
         )
-    return kvstate.eval(kvstate.ModelState(tuple(layers)))  # type: ignore[no-any-return]
+    return kvstate.eval(kvstate.ModelState(tuple(layers)))
 
 
 def private_copy(state: Any) -> list[Any]:
@@ -65,11 +66,11 @@ def private_copy(state: Any) -> list[Any]:
     return [copied]
 
 
-def commit_kept(state: Any, accepted: Any) -> Any:
+def commit_kept(state: Any, accepted: Any, _arg: Any = None) -> Any:
     return kvstate.eval(kvstate.commit_prefix(state, accepted))
 
 
-def commit_dropped(box: list[Any], accepted: Any) -> Any:
+def commit_dropped(accepted: Any, box: list[Any]) -> Any:
     state = box.pop()
     out = kvstate.commit_prefix(state, accepted)
     del state  # the caller's rebind: only `out` refers to the buffers now
@@ -84,20 +85,16 @@ def run(quick: bool) -> str:
         for held in ("old state dropped", "old state kept"):
             if held == "old state kept":
                 contenders = [
-                    Contender("1k", lambda _, a=accepted: commit_kept(small, a)),
-                    Contender("32k", lambda _, a=accepted: commit_kept(large, a)),
+                    Contender("1k", partial(commit_kept, small, accepted)),
+                    Contender("32k", partial(commit_kept, large, accepted)),
                 ]
             else:
                 contenders = [
                     Contender(
-                        "1k",
-                        lambda box, a=accepted: commit_dropped(box, a),
-                        setup=lambda: private_copy(small),
+                        "1k", partial(commit_dropped, accepted), partial(private_copy, small)
                     ),
                     Contender(
-                        "32k",
-                        lambda box, a=accepted: commit_dropped(box, a),
-                        setup=lambda: private_copy(large),
+                        "32k", partial(commit_dropped, accepted), partial(private_copy, large)
                     ),
                 ]
             samples = interleave(contenders, reps=reps, warmup=1)

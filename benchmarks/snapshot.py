@@ -52,6 +52,7 @@ def _materialize(caches: list[KVCache]) -> list[KVCache]:
     snap = []
     for c in caches:
         d = KVCache()
+        assert c.keys is not None and c.values is not None
         d.keys, d.values, d.offset = mx.array(c.keys), mx.array(c.values), c.offset
         snap.append(d)
     mx.eval(cache_arrays(snap))
@@ -64,7 +65,7 @@ def _snapshot(state: Any) -> Any:
 
 def _write_one(caches: list[KVCache]) -> None:
     """A 1-token verify that is rejected and rewritten: trim 1, write 1, per layer."""
-    token = mx.ones((1, HEADS, 1, HEAD_DIM), caches[0].keys.dtype)
+    token = mx.ones((1, HEADS, 1, HEAD_DIM), mx.float16)
     for c in caches:
         c.trim(1)
         c.update_and_fetch(token, token)
