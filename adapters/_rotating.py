@@ -4,12 +4,13 @@ The unpadded form (`left_padding is None`) is mlx-lm's RotatingKVCache; the batc
 carries `left_padding` and per-row `offsets` and maps `offset`, `index`, `rotated` to
 BatchRotatingKVCache's `_offset`, `_idx`, `rotated`. O(1) both ways: arrays are `fresh`.
 
-Batched states go to the model as `MaskFixedBatchRotatingKVCache`, which corrects one mask
-of mlx-lm 0.32's BatchRotatingKVCache (see its docstring); everything else is mlx-lm's.
+Batched states go to the model with one mask of mlx-lm 0.32's BatchRotatingKVCache corrected
+(`fixed_make_mask`); everything else is mlx-lm's.
 """
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
@@ -19,25 +20,26 @@ from kvstate import RotatingKV, StateError
 from ._convert import fresh, register_from, to_cache
 
 
-class MaskFixedBatchRotatingKVCache(BatchRotatingKVCache):
-    """BatchRotatingKVCache whose multi-token mask is right on a wrapped ring.
+def fixed_make_mask(
+    self: BatchRotatingKVCache, N: int, window_size: int | None = None, return_array: bool = False
+) -> Any:
+    """BatchRotatingKVCache.make_mask, right for a multi-token forward on a wrapped ring.
 
-    mlx-lm's `make_mask(N > 1)` sizes the window trim from the ring's write index `_idx`,
-    but `_update_concat` first unrolls a rotated ring (`_idx` becomes its length) and then
-    trims one entry more, lowering `left_padding` by one. Rows that still have padding in the
-    window then lose their oldest valid entry from the mask, and a verify forward on them
-    gives wrong logits (tests/test_rotating.py checks the bug is still there upstream).
+    mlx-lm 0.32 sizes that mask's window trim from the ring's write index `_idx`, but
+    `_update_concat` first unrolls a rotated ring (`_idx` becomes its length) and then trims
+    one entry more, lowering `left_padding` by one. Rows that still have padding in the window
+    then lose their oldest valid entry from the mask, and a verify forward on them gives
+    wrong logits (tests/test_rotating.py checks the bug is still there upstream).
     """
-
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> Any:
-        if N > 1 and self.rotated and self.keys is not None:
-            idx = self._idx
-            self._idx = self.keys.shape[2]  # what _update_concat will see after unrolling
-            try:
-                return super().make_mask(N, window_size=window_size, return_array=return_array)
-            finally:
-                self._idx = idx
-        return super().make_mask(N, window_size=window_size, return_array=return_array)
+    make_mask = BatchRotatingKVCache.make_mask
+    if N > 1 and self.rotated and self.keys is not None:
+        idx = self._idx
+        self._idx = self.keys.shape[2]  # what _update_concat will see after unrolling
+        try:
+            return make_mask(self, N, window_size=window_size, return_array=return_array)
+        finally:
+            self._idx = idx
+    return make_mask(self, N, window_size=window_size, return_array=return_array)
 
 
 @register_from(RotatingKVCache)
@@ -53,13 +55,13 @@ def _(cache: RotatingKVCache) -> RotatingKV:
 
 
 @register_from(BatchRotatingKVCache)
-@register_from(MaskFixedBatchRotatingKVCache)
 def _(cache: BatchRotatingKVCache) -> RotatingKV:
-    if cache._lengths is not None:
+    lengths = getattr(cache, "_lengths", None)  # from_state() skips __init__, which sets it
+    if lengths is not None:
         # `_lengths` only lives between prepare() and finalize() of a right-padded prompt.
         raise StateError(
             "from_mlx_lm: this BatchRotatingKVCache is between prepare() and finalize() "
-            f"(_lengths = {cache._lengths.tolist()}); call cache.finalize() after the padded "
+            f"(_lengths = {lengths.tolist()}); call cache.finalize() after the padded "
             "prompt forward, then convert"
         )
     return RotatingKV(
@@ -91,10 +93,12 @@ def _(state: RotatingKV) -> RotatingKVCache | BatchRotatingKVCache:
             "to_mlx_lm: a batched RotatingKV (left_padding set) needs per-row `offsets`; "
             "build batched states with kvstate.merge or adapters.from_mlx_lm"
         )
-    batch = MaskFixedBatchRotatingKVCache.__new__(MaskFixedBatchRotatingKVCache)
+    batch = BatchRotatingKVCache.__new__(BatchRotatingKVCache)
     batch.keys, batch.values = fresh(state.keys), fresh(state.values)
     batch.left_padding, batch.offset = fresh(state.left_padding), fresh(state.offsets)
     batch.max_size = state.max_size
     batch._offset, batch._idx, batch.rotated = state.offset, state.index, state.rotated
     batch._lengths = None
+    # An instance attribute, not a subclass: mlx-lm's save_prompt_cache records the class name.
+    batch.make_mask = MethodType(fixed_make_mask, batch)  # type: ignore[method-assign]
     return batch

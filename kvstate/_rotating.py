@@ -17,7 +17,7 @@ temporal order, `index` = their count.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -36,11 +36,9 @@ from ._transforms import (
     record_forward,
     take_rows,
 )
+from ._tree import host_int, replace
 
 KV = tuple[mx.array, mx.array]
-
-# `state_class` makes attrs classes that mypy's attrs plugin does not see as such.
-evolve: Callable[..., Any] = attrs.evolve
 
 
 def _batched(state: RotatingKV) -> bool:
@@ -102,8 +100,8 @@ def _(state: RotatingKV, before: RotatingKV, n: int) -> RotatingKV:
     # A multi-token forward (mlx-lm's _update_concat) trims the window, so an exact rollback
     # needs the state before it. A 1-token forward writes one ring slot in place: holding
     # `before` there would stop MLX from donating the buffer on every decode step.
-    previous = evolve(before, previous=None, appended=0) if n > 1 else None
-    return evolve(state, previous=previous, appended=n)
+    previous = replace(before, previous=None, appended=0) if n > 1 else None
+    return replace(state, previous=previous, appended=n)
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,9 +127,9 @@ class _History:
 def _(state: RotatingKV, counts: tuple[int, ...], checkpoints: Any) -> RotatingKV:
     n = state.appended
     if all(c == n for c in counts):
-        return evolve(state, previous=None, appended=0)
+        return replace(state, previous=None, appended=0)
     if state.previous is not None and not any(counts):
-        return evolve(state.previous, previous=None, appended=0)  # exactly the state before
+        return replace(state.previous, previous=None, appended=0)  # exactly the state before
     history = _history(state, counts)
     if len(set(counts)) == 1:
         return _commit_uniform(state, history, counts[0])
@@ -292,7 +290,7 @@ def _(state: RotatingKV, rows: tuple[int, ...]) -> RotatingKV:
     previous = state.previous
     if previous is not None and (previous.keys is not None or _batched(previous)):
         previous = take_rows(previous, rows)
-    return evolve(
+    return replace(
         state,
         keys=take(state.keys),
         values=take(state.values),
@@ -367,12 +365,6 @@ def _merge_unpadded(states: Sequence[RotatingKV]) -> RotatingKV:
     )
 
 
-def _int(a: mx.array) -> int:
-    value = a.item()
-    assert isinstance(value, int)
-    return value
-
-
 def _left_pad(a: mx.array, n: int) -> mx.array:
     return a if n == 0 else mx.pad(a, [(0, 0), (0, 0), (n, 0), (0, 0)])
 
@@ -390,7 +382,7 @@ def _extend_batched(a: RotatingKV, b: RotatingKV) -> RotatingKV:
     assert a.left_padding is not None and b.left_padding is not None
     assert a.offsets is not None and b.offsets is not None
     if a.keys is None and b.keys is None:
-        return evolve(
+        return replace(
             a,
             left_padding=mx.concatenate([a.left_padding, b.left_padding]),
             offsets=mx.concatenate([a.offsets, b.offsets]),
@@ -440,7 +432,7 @@ def _(state: RotatingKV, row: int) -> RotatingKV:
     if state.keys is None or state.values is None:
         return RotatingKV(max_size=state.max_size, keep=state.keep)
     if not _batched(state):
-        return evolve(
+        return replace(
             state,
             keys=mx.contiguous(state.keys[row : row + 1]),
             values=mx.contiguous(state.values[row : row + 1]),
@@ -449,8 +441,8 @@ def _(state: RotatingKV, row: int) -> RotatingKV:
         )
     assert state.left_padding is not None and state.offsets is not None
     # BatchRotatingKVCache.extract: unroll the ring, drop the row's padding.
-    padding = max(0, _int(state.left_padding[row]))
-    offset = _int(state.offsets[row])
+    padding = max(0, host_int(state.left_padding[row]))
+    offset = host_int(state.offsets[row])
     k, v = state.keys[row : row + 1], state.values[row : row + 1]
     end = state.index
     if state.rotated:

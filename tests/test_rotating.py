@@ -15,11 +15,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import _merge_caches, generate_step
-from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
 
 import kvstate as ks
 from adapters import from_mlx_lm, to_mlx_lm, wrap
-from adapters._rotating import MaskFixedBatchRotatingKVCache
 from adapters.tiny_models import VOCAB, tiny_model
 from kvstate._tree import tree_leaves
 
@@ -353,15 +358,15 @@ def test_ragged_commit_matches_per_row_reference(
 
 def test_mlx_lm_multi_token_mask_bug_is_still_there(model: Any) -> None:
     """mlx-lm 0.32's BatchRotatingKVCache masks a valid entry in a multi-token forward on a
-    rotated ring with padded rows; adapters hands models MaskFixedBatchRotatingKVCache.
-    If this fails, mlx-lm fixed it: drop the subclass."""
+    rotated ring with padded rows; adapters corrects it (adapters._rotating.fixed_make_mask).
+    If this fails, mlx-lm fixed it: drop the correction."""
     prompts = [tokens(20 + n, n) for n in (5, 9, 13)]
     fixed = _merge_caches([prefilled(model, p) for p in prompts])
     plain = copy.deepcopy(fixed)
     assert type(fixed[0]) is BatchRotatingKVCache
     fixed = [from_mlx_lm(c) if isinstance(c, BatchRotatingKVCache) else c for c in fixed]
     fixed = [to_mlx_lm(c) if isinstance(c, ks.RotatingKV) else c for c in fixed]
-    assert isinstance(fixed[0], MaskFixedBatchRotatingKVCache)
+    assert type(fixed[0]) is BatchRotatingKVCache  # mlx-lm's save_prompt_cache keeps working
     for x in (mx.array([[1], [2], [3]]), mx.array([[4, 5, 6]] * 3)):
         out_fixed, out_plain = model(x, cache=fixed), model(x, cache=plain)
     cache = make_prompt_cache(model)
@@ -454,6 +459,19 @@ def test_adapter_refuses_prepared_batch(model: Any) -> None:
     from_mlx_lm(batch)
 
 
+def test_batched_cache_through_mlx_lm_save_load(model: Any, tmp_path: Any) -> None:
+    """to_mlx_lm's batched caches stay plain BatchRotatingKVCache objects: mlx-lm saves,
+    loads (from_state skips __init__, so no `_lengths`) and deep-copies them."""
+    m = wrap(model)
+    state = ks.merge([m(mx.array([tokens(9, n)]), m.init_state())[1] for n in (4, 11)])
+    state = m(mx.array([[1], [2]]), state)[1]
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, copy.deepcopy(to_mlx_lm(state)))
+    loaded = from_mlx_lm(load_prompt_cache(path))
+    for ours, back in zip(rotating_layers(state), rotating_layers(loaded), strict=True):
+        assert _same(_fields(to_mlx_lm(ours)), _fields(to_mlx_lm(back)))
+
+
 def _frozen_copy(state: Any) -> tuple[Any, list[np.ndarray]]:
     ks.eval(state)
     return ks.tree_flatten(state)[1], [np.array(a) for a in tree_leaves(state)]
@@ -475,6 +493,7 @@ def test_nothing_changes_its_input(model: Any) -> None:
     single = m(mx.array([[1]]), single)[1]  # wrapped ring
     batched = ks.merge([m(mx.array([p]), m.init_state())[1] for p in prompts])
     batched = m(mx.array([[1], [2], [3]]), batched)[1]
+    short = ks.merge([m(mx.array([prompts[0][:3]]), m.init_state())[1]])
     verified_single = m(mx.array([[4, 5, 6, 7]]), single)[1]
     verified_batch = m(mx.array([[4, 5, 6]] * 3), batched)[1]
     cases: list[tuple[str, Any, Any]] = [
@@ -496,6 +515,8 @@ def test_nothing_changes_its_input(model: Any) -> None:
         ("filter", batched, lambda s: ks.filter(s, [1])),
         ("merge", single, lambda s: ks.merge([s, s])),
         ("extend", batched, lambda s: ks.extend(s, ks.merge([single]))),
+        ("extend (padded on the left)", short, lambda s: ks.extend(batched, s)),
+        ("extend (first, padded on the left)", short, lambda s: ks.extend(s, batched)),
         ("extract", batched, lambda s: ks.extract(s, 1)),
         ("snapshot", single, ks.snapshot),
     ]
