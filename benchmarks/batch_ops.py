@@ -191,7 +191,7 @@ def measure(kind: Kind, reps: int) -> list[list[str]]:
 
 
 def run(quick: bool) -> str:
-    reps = 7 if quick else 30
+    reps = 7 if quick else 60
     rows: list[list[str]] = []
     for kind in KINDS:
         rows += measure(kind, reps)
