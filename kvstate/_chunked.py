@@ -18,6 +18,7 @@ from ._errors import CommitError, ConfigMismatchError, StateError, check
 from ._states import ChunkedKV
 from ._transforms import (
     appended_of,
+    array_kv_config,
     batch_size_of,
     commit_rows,
     config_of,
@@ -49,11 +50,8 @@ def _(state: ChunkedKV) -> int:
 
 
 @config_of.register
-def _(state: ChunkedKV) -> tuple[Any, ...]:
-    if state.keys is None or state.values is None:
-        return ("ChunkedKV", state.chunk_size, None, None, None, None)
-    k, v = state.keys, state.values
-    return ("ChunkedKV", state.chunk_size, str(k.dtype), int(k.shape[1]), k.shape[3], v.shape[3])
+def _(state: ChunkedKV) -> dict[str, Any]:
+    return array_kv_config("ChunkedKV", state.keys, state.values, chunk_size=state.chunk_size)
 
 
 @record_forward.register

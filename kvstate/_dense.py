@@ -10,6 +10,7 @@ import mlx.core as mx
 from ._states import DenseKV
 from ._transforms import (
     appended_of,
+    array_kv_config,
     batch_size_of,
     commit_rows,
     config_of,
@@ -50,11 +51,8 @@ def _(state: DenseKV) -> int:
 
 
 @config_of.register
-def _(state: DenseKV) -> tuple[Any, ...]:
-    if state.keys is None or state.values is None:
-        return ("DenseKV", None, None, None, None)
-    k, v = state.keys, state.values
-    return ("DenseKV", str(k.dtype), int(k.shape[1]), int(k.shape[3]), int(v.shape[3]))
+def _(state: DenseKV) -> dict[str, Any]:
+    return array_kv_config("DenseKV", state.keys, state.values)
 
 
 @commit_rows.register

@@ -25,6 +25,7 @@ from ._transforms import (
     commit_rows,
     config_of,
     extract_row,
+    kv_config,
     merge_states,
     take_rows,
 )
@@ -64,19 +65,13 @@ def _(state: QuantizedKV) -> int:
 
 
 @config_of.register
-def _(state: QuantizedKV) -> tuple[Any, ...]:
-    if state.keys is None or state.values is None:
-        return ("QuantizedKV", state.bits, state.group_size, None, None, None, None)
+def _(state: QuantizedKV) -> dict[str, Any]:
+    statics = {"bits": state.bits, "group_size": state.group_size}
     k, v = state.keys, state.values
-    return (
-        "QuantizedKV",
-        state.bits,
-        state.group_size,
-        str(k[1].dtype),
-        int(k[0].shape[1]),
-        head_dim(k, state.bits),
-        head_dim(v, state.bits),
-    )
+    if k is None or v is None:
+        return kv_config("QuantizedKV", **statics)
+    dims = (head_dim(k, state.bits), head_dim(v, state.bits))
+    return kv_config("QuantizedKV", k[1].dtype, int(k[0].shape[1]), *dims, **statics)
 
 
 @commit_rows.register

@@ -58,13 +58,13 @@ def _(state: RecurrentState) -> int:
 
 
 @config_of.register
-def _(state: RecurrentState) -> tuple[Any, ...]:
-    # None (an array not written yet) matches anything in `_compatible`.
+def _(state: RecurrentState) -> dict[str, Any]:
+    # None (an array not written yet) matches anything.
     arrays = tuple(
-        None if a is None else (str(a.dtype), tuple(int(n) for n in a.shape[1:]))
+        None if a is None else {"dtype": str(a.dtype), "shape": tuple(int(n) for n in a.shape[1:])}
         for a in state.arrays
     )
-    return ("RecurrentState", len(state.arrays), arrays)
+    return {"kind": "RecurrentState", "count": len(state.arrays), "arrays": arrays}
 
 
 @take_rows.register

@@ -27,6 +27,7 @@ from ._errors import CommitError, ConfigMismatchError
 from ._states import RotatingKV
 from ._transforms import (
     appended_of,
+    array_kv_config,
     batch_size_of,
     commit_rows,
     config_of,
@@ -87,12 +88,10 @@ def _(state: RotatingKV) -> int:
 
 
 @config_of.register
-def _(state: RotatingKV) -> tuple[Any, ...]:
-    head = ("RotatingKV", state.max_size, state.keep)
-    if state.keys is None or state.values is None:
-        return (*head, None, None, None, None)
-    k, v = state.keys, state.values
-    return (*head, str(k.dtype), int(k.shape[1]), int(k.shape[3]), int(v.shape[3]))
+def _(state: RotatingKV) -> dict[str, Any]:
+    return array_kv_config(
+        "RotatingKV", state.keys, state.values, max_size=state.max_size, keep=state.keep
+    )
 
 
 @record_forward.register

@@ -74,9 +74,38 @@ def extract_row(state: Any, row: int) -> Any:
 
 
 @singledispatch
-def config_of(state: Any) -> tuple[Any, ...]:
-    """What must agree for states to be merged: kind, statics, dtypes, head shapes."""
+def config_of(state: Any) -> dict[str, Any]:
+    """What must agree for states to be merged, by name: kind, statics, dtypes, head shapes.
+    None (an empty state's unknown dtype or head dims) matches anything."""
     raise _unknown(state)
+
+
+def kv_config(
+    kind: str,
+    dtype: Any = None,
+    kv_heads: int | None = None,
+    key_dim: int | None = None,
+    value_dim: int | None = None,
+    **statics: Any,
+) -> dict[str, Any]:
+    """The `config_of` of a KV kind."""
+    return {
+        "kind": kind,
+        **statics,
+        "dtype": dtype and str(dtype),
+        "kv_heads": kv_heads,
+        "key_dim": key_dim,
+        "value_dim": value_dim,
+    }
+
+
+def array_kv_config(kind: str, keys: Any, values: Any, **statics: Any) -> dict[str, Any]:
+    """`kv_config` read off (B, H, T, D) key and value buffers (None while empty)."""
+    if keys is None or values is None:
+        return kv_config(kind, **statics)
+    return kv_config(
+        kind, keys.dtype, int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3]), **statics
+    )
 
 
 def _unknown(state: Any) -> StateError:
@@ -164,8 +193,8 @@ def _(state: Composite, row: int) -> Any:
 
 @config_of.register(ListState)
 @config_of.register(ModelState)
-def _(state: Composite) -> tuple[Any, ...]:
-    return (type(state).__name__, tuple(config_of(p) for p in _parts(state)))
+def _(state: Composite) -> dict[str, Any]:
+    return {"kind": type(state).__name__, "parts": tuple(config_of(p) for p in _parts(state))}
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,11 +263,23 @@ def _rows(state: Any, rows: Any, what: str) -> tuple[int, ...]:
 
 def _compatible(a: Any, b: Any) -> bool:
     """Configs agree; None (an empty state's unknown dtype or head dims) matches anything."""
+    return not _mismatches(a, b)
+
+
+def _mismatches(a: Any, b: Any, path: str = "") -> list[str]:
+    """Every disagreement between two configs, named by its path (e.g. `parts[3].key_dim`)."""
     if a is None or b is None:
-        return True
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_compatible(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
+        return []
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return [m for k in a for m in _mismatches(a[k], b[k], f"{path}.{k}" if path else k)]
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        pairs = enumerate(zip(a, b, strict=True))
+        return [m for i, (x, y) in pairs for m in _mismatches(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path or 'config'}: {_short(a)} != {_short(b)}"]
+
+
+def _short(config: Any) -> str:
+    return f"{len(config)} parts" if isinstance(config, tuple) else repr(config)
 
 
 def _same_config(states: Sequence[Any], what: str) -> None:
@@ -247,17 +288,11 @@ def _same_config(states: Sequence[Any], what: str) -> None:
         other = config_of(s)
         if not _compatible(first, other):
             raise ConfigMismatchError(
-                f"{what}: state {i} does not match state 0: {_diff(first, other)}; "
+                f"{what}: state {i} does not match state 0: "
+                f"{'; '.join(_mismatches(first, other))}; "
                 "only states of the same kind and configuration (bits, group size, window, "
                 "dtype, head dims) can be batched together"
             )
-
-
-def _diff(a: Any, b: Any) -> str:
-    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-        parts = [_diff(x, y) for x, y in zip(a, b, strict=True) if not _compatible(x, y)]
-        return "; ".join(parts)
-    return f"{a!r} != {b!r}"
 
 
 # ---------------------------------------------------------------------------------------

@@ -290,12 +290,18 @@ def test_bad_rows_raise_row_error(verified, call, match):
 def test_merging_mismatched_configs_raises():
     a = ks.DenseKV(mx.zeros((1, 2, 4, 16)), mx.zeros((1, 2, 4, 16)), length=4)
     for other, what in [
-        (ks.DenseKV(mx.zeros((1, 2, 4, 32)), mx.zeros((1, 2, 4, 16)), length=4), "16 != 32"),
+        (
+            ks.DenseKV(mx.zeros((1, 2, 4, 32)), mx.zeros((1, 2, 4, 16)), length=4),
+            "key_dim: 16 != 32",
+        ),
         (
             ks.DenseKV(mx.zeros((1, 2, 4, 16), mx.float16), mx.zeros((1, 2, 4, 16)), length=4),
-            "float32' != 'mlx.core.float16",
+            "dtype: 'mlx.core.float32' != 'mlx.core.float16'",
         ),
-        (ks.DenseKV(mx.zeros((1, 4, 4, 16)), mx.zeros((1, 4, 4, 16)), length=4), "2 != 4"),
+        (
+            ks.DenseKV(mx.zeros((1, 4, 4, 16)), mx.zeros((1, 4, 4, 16)), length=4),
+            "kv_heads: 2 != 4",
+        ),
     ]:
         with pytest.raises(ks.ConfigMismatchError, match=what):
             ks.merge([a, other])
