@@ -17,7 +17,6 @@ import mlx.core as mx
 from ._errors import CommitError, ConfigMismatchError, StateError, check
 from ._states import ChunkedKV
 from ._transforms import (
-    appended_of,
     array_kv_config,
     batch_size_of,
     commit_rows,
@@ -42,11 +41,6 @@ def _used(a: mx.array, n: int) -> mx.array:
 @batch_size_of.register
 def _(state: ChunkedKV) -> int:
     return int(state.keys.shape[0]) if state.keys is not None else 1
-
-
-@appended_of.register
-def _(state: ChunkedKV) -> int:
-    return state.appended
 
 
 @config_of.register

@@ -9,7 +9,6 @@ import mlx.core as mx
 
 from ._states import DenseKV
 from ._transforms import (
-    appended_of,
     array_kv_config,
     batch_size_of,
     commit_rows,
@@ -43,11 +42,6 @@ def _(state: DenseKV) -> int:
     if state.left_padding is not None:
         return int(state.left_padding.shape[0])
     return int(state.keys.shape[0]) if state.keys is not None else 1
-
-
-@appended_of.register
-def _(state: DenseKV) -> int:
-    return state.appended
 
 
 @config_of.register

@@ -20,7 +20,6 @@ from ._dense import used
 from ._errors import CommitError, ConfigMismatchError, ShapeError, StateError, check
 from ._states import DenseKV, ListState, ModelState, Quantized, QuantizedKV, RotatingKV
 from ._transforms import (
-    appended_of,
     batch_size_of,
     commit_rows,
     config_of,
@@ -57,11 +56,6 @@ def _map_q(fn: Any, q: Quantized) -> Quantized:
 @batch_size_of.register
 def _(state: QuantizedKV) -> int:
     return int(state.keys[0].shape[0]) if state.keys is not None else 1
-
-
-@appended_of.register
-def _(state: QuantizedKV) -> int:
-    return state.appended
 
 
 @config_of.register

@@ -20,7 +20,6 @@ import mlx.core as mx
 from ._errors import CheckpointRequiredError, ShapeError
 from ._states import RecurrentState
 from ._transforms import (
-    appended_of,
     batch_size_of,
     commit_rows,
     config_of,
@@ -50,11 +49,6 @@ def _(state: RecurrentState) -> int:
         if bookkeeping is not None:
             return int(bookkeeping.size)
     return 1
-
-
-@appended_of.register
-def _(state: RecurrentState) -> int:
-    return state.appended
 
 
 @config_of.register

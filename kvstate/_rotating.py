@@ -26,7 +26,6 @@ import mlx.core as mx
 from ._errors import CommitError, ConfigMismatchError
 from ._states import RotatingKV
 from ._transforms import (
-    appended_of,
     array_kv_config,
     batch_size_of,
     commit_rows,
@@ -80,11 +79,6 @@ def _(state: RotatingKV) -> int:
     if state.left_padding is not None:
         return int(state.left_padding.shape[0])
     return int(state.keys.shape[0]) if state.keys is not None else 1
-
-
-@appended_of.register
-def _(state: RotatingKV) -> int:
-    return state.appended
 
 
 @config_of.register

@@ -16,7 +16,7 @@ import numpy as np
 
 from ._errors import CommitError, ConfigMismatchError, RowError, StateError, check
 from ._states import ListState, ModelState
-from ._tree import replace
+from ._tree import is_state, replace
 
 S = TypeVar("S")
 
@@ -33,8 +33,10 @@ def batch_size_of(state: Any) -> int:
 
 @singledispatch
 def appended_of(state: Any) -> int:
-    """Tokens the last forward appended."""
-    raise _unknown(state)
+    """Tokens the last forward appended (every layer state has an `appended` field)."""
+    if not is_state(state):
+        raise _unknown(state)
+    return int(state.appended)
 
 
 @singledispatch
