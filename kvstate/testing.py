@@ -47,6 +47,7 @@ __all__ = [
     "accepted_counts",
     "chunked_kv_states",
     "dense_kv_states",
+    "layer_states",
     "list_states",
     "model_states",
     "quantized_kv_states",
@@ -244,10 +245,12 @@ def chunked_kv_states(
     chunk_size: Knob = None,
     empty: Knob = None,
     appended: Knob = None,
+    start: Knob = None,
+    held: Knob = None,
 ) -> ChunkedKV:
     """A `ChunkedKV` (unpadded, like mlx-lm's ChunkedKVCache), made the way a model makes
     one: an earlier state (drawn: start_position in 0..6, 1..chunk_size+2 valid entries,
-    spare capacity) goes through one forward of `appended` (0..3) tokens, which first drops
+    spare capacity; fix them with `start` and `held`) goes through one forward of `appended` (0..3) tokens, which first drops
     the front past `chunk_size` (mlx-lm's `maybe_trim_front`) and then appends. A forward of
     more than one token keeps the earlier state in `previous` (`commit_prefix` restores it).
 
@@ -267,8 +270,8 @@ def chunked_kv_states(
     if appended is None:
         appended = draw(st.integers(0, 3))
     seed = draw(_SEEDS)
-    start = draw(st.integers(0, 6))
-    held = draw(st.integers(0 if appended else 1, chunk_size + 2))
+    start = _knob(draw, start, st.integers(0, 6))
+    held = _knob(draw, held, st.integers(0 if appended else 1, chunk_size + 2))
     spare = draw(st.integers(0, 3))
 
     def buffer(n: int, dim: int, offset: int) -> mx.array:
@@ -383,6 +386,21 @@ def rotating_kv_states(**kwargs: Any) -> st.SearchStrategy[RotatingKV]:
 # ---------------------------------------------------------------------------------------
 
 
+@st.composite
+def layer_states(draw: Any, *, batch: Knob = None, appended: Knob = None) -> Any:
+    """A layer state of any kind (dense, quantized, chunked, recurrent, rotating) with the
+    given batch size and `appended` count (drawn if None)."""
+    batch = _knob(draw, batch, st.integers(1, 3))
+    appended = _knob(draw, appended, st.integers(0, 3))
+    kinds = [
+        dense_kv_states(batch=batch, appended=appended),
+        quantized_kv_states(batch=batch, appended=appended),
+        chunked_kv_states(batch=batch, appended=appended),
+        recurrent_states(batch=batch, appended=appended),
+    ]
+    return draw(st.one_of(kinds))
+
+
 LayerStrategy = Any
 """A function `(batch=..., appended=...) -> strategy` for one layer state."""
 
@@ -425,7 +443,7 @@ def model_states(
     one `appended` count (0..3), as after a forward of the whole model.
 
     `layers`: a function `(batch=..., appended=...) -> strategy` for one layer state
-    (default: `dense_kv_states`); see `mixed_layers` for every kind."""
+    (default: `dense_kv_states`); pass `layer_states` for layers of every kind."""
     batch = _knob(draw, batch, st.integers(1, 3))
     appended = _knob(draw, appended, st.integers(0, 3))
     num_layers = _knob(draw, num_layers, st.integers(1, 4))

@@ -107,8 +107,9 @@ class RowMachine(RuleBasedStateMachine):
         if data.draw(st.booleans(), label="three"):
             others.append(self.partner("merge partner 2", batch=1))
         states = [self.state, *others] if first else [*others, self.state]
+        parts = [self.read_rows(s) for s in states]
         self.state = self.apply("merge", ks.merge, states)
-        self.rows = self.combine([self.read_rows(s) for s in states], "merge")
+        self.rows = self.combine(parts, "merge")
         self.pending = 0
 
     @precondition(lambda self: self.batch < MAX_BATCH)
@@ -116,8 +117,9 @@ class RowMachine(RuleBasedStateMachine):
     def extend(self, first: bool) -> None:
         other = self.partner("extend partner")
         pair = (self.state, other) if first else (other, self.state)
+        parts = [self.read_rows(s) for s in pair]
         self.state = self.apply("extend", ks.extend, *pair)
-        self.rows = self.combine([self.read_rows(s) for s in pair], "extend")
+        self.rows = self.combine(parts, "extend")
         self.pending = 0
 
     @rule(data=st.data())

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ChunkedKVCache
 
 import kvstate as ks
 from adapters import from_mlx_lm, to_mlx_lm
@@ -159,11 +160,99 @@ def dense_rows(state: ks.DenseKV) -> list[Row]:
     ]
 
 
-def rows_of(state: Any) -> list[Any]:
-    """Per-row meaning of any layer state (a list of Row, or of tuples for composites)."""
+def _row_slices(a: mx.array | None, batch: int, lo: list[int], hi: int) -> list[Any]:
+    if a is None:
+        return [None] * batch
+    b = bits(a)
+    return [b[r, :, lo[r] : hi] for r in range(batch)]
+
+
+def meaning(state: Any, *, history: bool = True) -> list[Any]:
+    """What each row of a state means, as nested tuples of numpy arrays and ints, read with
+    numpy from the fields: the valid tokens (in buffer order), positions, and with
+    `history` what a later `commit_prefix` needs (`previous`, recurrent bookkeeping).
+
+    Two states whose meanings are equal behave the same under every later forward and
+    transform; their buffers may differ where no row looks (capacity, padding).
+    """
+    batch = ks.batch_size(state)
     if isinstance(state, ks.DenseKV):
-        return dense_rows(state)
+        if state.keys is None:
+            return [("dense", 0)] * batch
+        pads = _pads(state.left_padding, batch)
+        keys = _row_slices(state.keys, batch, pads, state.length)
+        values = _row_slices(state.values, batch, pads, state.length)
+        return [
+            ("dense", k.shape[1], k, v) if k.shape[1] else ("dense", 0)
+            for k, v in zip(keys, values, strict=True)
+        ]
+    if isinstance(state, ks.QuantizedKV):
+        if state.keys is None or state.values is None or state.length == 0:
+            return [("quantized", 0)] * batch
+        zeros = [0] * batch
+        parts = [_row_slices(a, batch, zeros, state.length) for a in (*state.keys, *state.values)]
+        return [("quantized", state.length, *(p[r] for p in parts)) for r in range(batch)]
+    if isinstance(state, ks.ChunkedKV):
+        # What the next forward sees: it first drops the front past chunk_size
+        # (maybe_trim_front), so entries there are never read again.
+        n = state.offset - state.start_position
+        front = max(0, n - state.chunk_size)
+        seen = n > front  # no entries: as if never written
+        keys = _row_slices(state.keys if seen else None, batch, [front] * batch, n)
+        values = _row_slices(state.values if seen else None, batch, [front] * batch, n)
+        prev: list[Any] = [None] * batch
+        if history and state.previous is not None:
+            p = state.previous
+            prev = meaning(p) if p.keys is not None else [("empty",)] * batch
+        return [
+            ("chunked", state.offset, state.start_position + front, keys[r], values[r], prev[r])
+            for r in range(batch)
+        ]
+    if isinstance(state, ks.RecurrentState):
+        arrays = [None if a is None else bits(a) for a in state.arrays]
+        lps = _pads(state.left_padding, batch)  # None and zeros mean the same: no padding
+        lns = np.array(state.lengths).tolist() if state.lengths is not None else [None] * batch
+        return [
+            (
+                "recurrent",
+                # mlx-lm's recurrent layers read a None array as zeros
+                tuple(None if a is None or not a[r].any() else a[r] for a in arrays),
+                *((lps[r], lns[r]) if history else ()),
+            )
+            for r in range(batch)
+        ]
+    if isinstance(state, ks.RotatingKV):
+        return _rotating_meaning(state, batch, history)
+    if isinstance(state, (ks.ListState, ks.ModelState)):
+        parts = state.states if isinstance(state, ks.ListState) else state.layers
+        per_part = [meaning(p, history=history) for p in parts]
+        return [tuple(p[r] for p in per_part) for r in range(batch)]
     raise NotImplementedError(type(state).__name__)
+
+
+def _pads(left_padding: mx.array | None, batch: int) -> list[int]:
+    if left_padding is None:
+        return [0] * batch
+    return [int(v) for v in np.array(left_padding).tolist()]
+
+
+def _rotating_meaning(state: Any, batch: int, history: bool) -> list[Any]:
+    raise NotImplementedError("RotatingKV")
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Recursive equality of `meaning` values: numpy arrays bitwise, the rest with ==."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), f"{where}: array vs not"
+        assert a.shape == b.shape, f"{where}: shapes {a.shape} != {b.shape}"
+        assert np.array_equal(a, b), f"{where}: arrays differ"
+        return
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        assert len(a) == len(b), f"{where}: lengths {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+        return
+    assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -175,6 +264,8 @@ def cache_forward(state: Any, keys: mx.array, values: mx.array) -> Any:
     """What a model's attention layer does to `state` when it runs K new tokens:
     to mlx-lm cache objects, `update_and_fetch(keys (B, H, K, Dk), values)`, and back."""
     cache = to_mlx_lm(state)
+    if isinstance(cache, ChunkedKVCache):
+        cache.maybe_trim_front()  # what llama4's chunked attention does before each update
     cache.update_and_fetch(keys, values)
     return record_forward(from_mlx_lm(cache), state, keys.shape[2])
 
