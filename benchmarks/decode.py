@@ -8,6 +8,9 @@ back to back, in rotating order:
 - raw:  logits = model(y, cache=caches); mx.eval(logits, cache arrays)
 - wrap: logits, state = wrapped(y, state); mx.eval(logits, state leaves)
 Both contexts grow by one token per repetition, so every pair sees the same length.
+Wrap's bookkeeping alone (state -> caches -> state, stamping `appended`, the eval walk) is
+also timed on a null model that only writes one token per layer, to say how much of a step
+it is wherever a step is short (a GPU, a small model).
 
 The memory table runs single steps and reads mx.get_active_memory (the delta that survives
 the step) and mx.get_peak_memory (above the active memory at the step's start):
@@ -84,6 +87,21 @@ def prefill(model: nn.Module, context: int) -> list[Any]:
 def roundtrip_state(state: Any, _arg: Any = None) -> Any:
     """wrap's bookkeeping around the model call: state -> mlx-lm caches -> state."""
     return from_mlx_lm(to_mlx_lm(state))
+
+
+class NullModel:
+    """A stand-in model that only writes one token of K/V into every layer's cache: the
+    difference between wrap and raw on it is wrap's bookkeeping alone, without the math."""
+
+    def __init__(self) -> None:
+        self.layers = [None] * MODEL["num_hidden_layers"]
+        self.kv = mx.ones((1, MODEL["num_key_value_heads"], 1, MODEL["head_dim"]), mx.float32)
+        self.logits = mx.zeros((1, 1, 256), mx.float32)
+
+    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        for c in cache:
+            c.update_and_fetch(self.kv, self.kv)
+        return self.logits
 
 
 class Raw:
@@ -188,6 +206,18 @@ def run(quick: bool) -> str:
         ).median("rt")
         rows[-1].insert(4, fmt_time(roundtrip))
         del raw, wrapped
+        null = NullModel()
+        raw_null = Raw(null, ctx)  # type: ignore[arg-type]
+        wrapped_null = Wrapped(null, ctx)  # type: ignore[arg-type]
+        bare = interleave(
+            [
+                Contender("raw", partial(raw_null.step, y), inner=20),
+                Contender("wrap", partial(wrapped_null.step, y), inner=20),
+            ],
+            reps=reps,
+        )
+        rows[-1].insert(4, fmt_time(bare.median("wrap") - bare.median("raw")))
+        del raw_null, wrapped_null
         mem = memory_rows(model, ctx, y, steps=4 if quick else 8)
         mem_sections.append(
             f"Context {ctx} (+ a few decoded tokens):\n\n"
@@ -217,6 +247,7 @@ def run(quick: bool) -> str:
                     "raw tokens/s",
                     "wrap tokens/s",
                     "wrap overhead / step (difference of medians)",
+                    "wrap bookkeeping / step (null model, difference of medians)",
                     "of which `from_mlx_lm(to_mlx_lm(state))`",
                     "wrap / raw tokens/s",
                     f"target >= {TARGET}",
