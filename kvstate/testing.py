@@ -151,13 +151,53 @@ def dense_kv_states(
 @st.composite
 def accepted_counts(draw: Any, state: Any, *, ragged: Knob = None) -> int | list[int]:
     """A valid `accepted` for `commit_prefix(state, accepted)`: an int in 0..appended, or
-    (when `ragged`, drawn if None) a list with one count in 0..appended per row."""
+    (when `ragged`, drawn if None) a list with one count in 0..appended per row.
+
+    Respects what each kind can honour: ragged lists only where every part takes them
+    (not QuantizedKV, ChunkedKV, or a window with `keep`), and after a one-token forward
+    that overwrote a window slot, only `appended` (the overwritten entry is gone: the
+    state before that forward is the rollback). Recurrent parts need checkpoints for
+    anything below `appended` (see `recurrent_checkpoints`)."""
     appended = appended_of(state)
+    lowest = appended if _must_keep_all(state) else 0
+    if not _takes_ragged(state) or batch_size_of(state) == 1:
+        ragged = False
     ragged = _knob(draw, ragged, st.booleans())
     if not ragged:
-        return int(draw(st.integers(0, appended)))
+        return int(draw(st.integers(lowest, appended)))
     batch = batch_size_of(state)
-    return draw(st.lists(st.integers(0, appended), min_size=batch, max_size=batch))
+    return draw(st.lists(st.integers(lowest, appended), min_size=batch, max_size=batch))
+
+
+def _parts(state: Any) -> tuple[Any, ...]:
+    if isinstance(state, ModelState):
+        return tuple(p for s in state.layers for p in _parts(s))
+    if isinstance(state, ListState):
+        return tuple(p for s in state.states for p in _parts(s))
+    return (state,)
+
+
+def _takes_ragged(state: Any) -> bool:
+    def one(p: Any) -> bool:
+        if isinstance(p, (QuantizedKV, ChunkedKV)):
+            return False
+        return not (isinstance(p, RotatingKV) and p.keep)
+
+    return all(one(p) for p in _parts(state))
+
+
+def _must_keep_all(state: Any) -> bool:
+    """A window whose last (one-token) forward overwrote a slot cannot roll it back."""
+
+    def one(p: Any) -> bool:
+        if not isinstance(p, RotatingKV) or p.appended != 1 or p.previous is not None:
+            return False
+        batched = p.left_padding is not None
+        overwrote = p.rotated if batched else p.offset > p.max_size
+        intact = not overwrote and p.index >= 1 and (batched or p.index == p.offset)
+        return not intact
+
+    return any(one(p) for p in _parts(state))
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,8 +417,199 @@ def recurrent_checkpoints(draw: Any, state: RecurrentState) -> tuple[mx.array | 
     return tuple(out)
 
 
-def rotating_kv_states(**kwargs: Any) -> st.SearchStrategy[RotatingKV]:
-    raise NotImplementedError
+# ---------------------------------------------------------------------------------------
+# Sliding windows (RotatingKVCache, BatchRotatingKVCache)
+# ---------------------------------------------------------------------------------------
+
+_STEP = 256  # mlx-lm's growth step for rotating buffers
+
+
+def _fresh_write(a: mx.array, at: int, x: mx.array) -> mx.array:
+    out = a[...]  # a new array object: the write must not reach a state that holds `a`
+    out[..., at : at + x.shape[2], :] = x
+    return out
+
+
+def _grow(a: mx.array | None, like: mx.array, size: int) -> mx.array:
+    new = mx.zeros((*like.shape[:2], size, like.shape[3]), like.dtype)
+    return new if a is None else mx.concatenate([a, new], axis=2)
+
+
+def _window_update(s: RotatingKV, k: mx.array, v: mx.array) -> RotatingKV:
+    """One forward of k, v (B, H, S, D) into a window, exactly as mlx-lm's RotatingKVCache /
+    BatchRotatingKVCache `update_and_fetch` does it (kvstate's core never imports mlx-lm,
+    so the strategies carry this mirror of it). Returns the new state, `appended` unset."""
+    n = k.shape[2]
+    keys, values, idx, keep, top = s.keys, s.values, s.index, s.keep, s.max_size
+    if s.left_padding is None:
+        if n > 1:  # _update_concat
+            if keys is None or values is None:
+                keys, values = k, v
+            else:
+                if idx != keys.shape[2]:
+                    if idx < s.offset:
+                        keys, values = (
+                            mx.concatenate(
+                                [a[..., :keep, :], a[..., idx:, :], a[..., keep:idx, :]], 2
+                            )
+                            for a in (keys, values)
+                        )
+                    else:
+                        keys, values = keys[..., :idx, :], values[..., :idx, :]
+                trim = keys.shape[2] - top + 1
+                if trim > 0:
+                    keys, values = (
+                        mx.concatenate([a[..., :keep, :], a[..., trim + keep :, :]], 2)
+                        for a in (keys, values)
+                    )
+                keys, values = mx.concatenate([keys, k], 2), mx.concatenate([values, v], 2)
+            return RotatingKV(
+                keys, values, max_size=top, keep=keep, offset=s.offset + n, index=keys.shape[2]
+            )
+        prev = s.offset  # _update_in_place
+        if keys is None or values is None or (prev >= keys.shape[2] and keys.shape[2] < top):
+            size = min(_STEP, top - prev)
+            keys, values, idx = _grow(keys, k, size), _grow(values, v, size), prev
+        trim = keys.shape[2] - top
+        if trim > 0:
+            keys, values = (
+                mx.concatenate([a[..., :keep, :], a[..., trim + keep :, :]], 2)
+                for a in (keys, values)
+            )
+            idx = top
+        if idx == top:
+            idx = keep
+        keys, values = _fresh_write(keys, idx, k), _fresh_write(values, idx, v)
+        return RotatingKV(keys, values, max_size=top, keep=keep, offset=prev + n, index=idx + n)
+    assert s.offsets is not None
+    left_padding, rotated = s.left_padding, s.rotated
+    if n > 1:  # BatchRotatingKVCache._update_concat (no right padding)
+        if keys is None or values is None:
+            keys, values = k, v
+        else:
+            if rotated:
+                keys, values = mx.roll(keys, -idx, 2), mx.roll(values, -idx, 2)
+                idx, rotated = keys.shape[2], False
+            keys, values = keys[..., :idx, :], values[..., :idx, :]
+            trim = idx - top + 1
+            if trim > 0:
+                left_padding = left_padding - trim
+                keys, values = keys[..., trim:, :], values[..., trim:, :]
+            keys, values = mx.concatenate([keys, k], 2), mx.concatenate([values, v], 2)
+        return RotatingKV(
+            keys,
+            values,
+            left_padding,
+            s.offsets + n,
+            max_size=top,
+            offset=s.offset + n,
+            index=keys.shape[2],
+        )
+    prev = s.offset  # BatchRotatingKVCache._update_in_place
+    if keys is None or values is None or (prev >= keys.shape[2] and keys.shape[2] < top):
+        size = min(_STEP, top - prev)
+        keys, values, idx = _grow(keys, k, size), _grow(values, v, size), prev
+    trim = keys.shape[2] - top
+    if trim > 0:
+        keys, values, idx = keys[..., trim:, :], values[..., trim:, :], top
+        left_padding = left_padding - trim
+    if idx == top:
+        rotated, idx = True, 0
+    if rotated:
+        left_padding = left_padding - n
+    keys, values = _fresh_write(keys, idx, k), _fresh_write(values, idx, v)
+    return RotatingKV(
+        keys,
+        values,
+        left_padding,
+        s.offsets + n,
+        max_size=top,
+        offset=prev + n,
+        index=idx + n,
+        rotated=rotated,
+    )
+
+
+@st.composite
+def rotating_kv_states(
+    draw: Any,
+    *,
+    batch: Knob = None,
+    padded: Knob = None,
+    heads: Knob = None,
+    k_dim: Knob = None,
+    v_dim: Knob = None,
+    dtype: Knob = None,
+    max_size: Knob = None,
+    keep: Knob = None,
+    empty: Knob = None,
+    appended: Knob = None,
+) -> RotatingKV:
+    """A `RotatingKV` (sliding window), made the way a model makes one: from an empty
+    window, 0..5 forwards of 1..4 random tokens each, applied exactly as mlx-lm's
+    RotatingKVCache (unpadded) or BatchRotatingKVCache (`padded`: per-row left padding
+    0..2 before the first forward, which is then longer than it) would. Rings wrap,
+    multi-token forwards over-fill to max_size + S - 1 entries, single tokens overwrite.
+    The last forward (of `appended` tokens, 0 = none recorded) keeps the state before it
+    in `previous` when it had more than one token, as `adapters.wrap` does.
+
+    Draws: batch in 1..3, padded, heads in 1..2, head dims in {2, 4, 8}, dtype in
+    `DTYPES`, max_size in 2..6, keep in 0..1 (0 when padded: mlx-lm's batched window has
+    no keep prefix), `appended` in 0..3; `empty=True` gives a window with no entries (and,
+    batched, zero left padding).
+    """
+    batch = _knob(draw, batch, st.integers(1, 3))
+    padded = _knob(draw, padded, st.booleans())
+    heads = _knob(draw, heads, st.integers(1, 2))
+    k_dim = _knob(draw, k_dim, st.sampled_from([2, 4, 8]))
+    v_dim = _knob(draw, v_dim, st.sampled_from([2, 4, 8]))
+    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    max_size = _knob(draw, max_size, st.integers(2, 6))
+    keep = 0 if padded else _knob(draw, keep, st.sampled_from([0, 0, 1]))
+    appended = _knob(draw, appended, st.integers(0, 3))
+    empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+    if padded:
+        # An empty batched window gets zero padding (what merge / init_state give): padding
+        # is only meaningful for the prompt forward that follows it here.
+        paddings = [0] * batch
+        if not empty:
+            paddings = draw(st.lists(st.integers(0, 2), min_size=batch, max_size=batch))
+        lp = mx.array(paddings, mx.int32)
+        state = RotatingKV(left_padding=lp, offsets=-lp, max_size=max_size)
+    else:
+        paddings = [0]
+        state = RotatingKV(max_size=max_size, keep=keep)
+    if empty:
+        return state
+    chunks = draw(st.lists(st.integers(1, 4), min_size=0, max_size=5))
+    chunks[:1] = [max(chunks[0], max(paddings) + 1)] if chunks else []  # the prompt
+    if not chunks:
+        chunks = [max(paddings) + 1]
+    if appended:
+        chunks.append(appended)
+    rng = np.random.default_rng(draw(_SEEDS))
+    before = state
+    for n in chunks:
+        before = state
+        k = mx.array(rng.standard_normal((batch, heads, n, k_dim)).astype(np.float32))
+        v = mx.array(rng.standard_normal((batch, heads, n, v_dim)).astype(np.float32))
+        state = _window_update(state, k.astype(dtype), v.astype(dtype))
+    if not appended:
+        return state
+    previous = before if chunks[-1] > 1 else None
+    return RotatingKV(
+        state.keys,
+        state.values,
+        state.left_padding,
+        state.offsets,
+        previous,
+        max_size=state.max_size,
+        keep=state.keep,
+        offset=state.offset,
+        index=state.index,
+        rotated=state.rotated,
+        appended=chunks[-1],
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,6 +628,7 @@ def layer_states(draw: Any, *, batch: Knob = None, appended: Knob = None) -> Any
         quantized_kv_states(batch=batch, appended=appended),
         chunked_kv_states(batch=batch, appended=appended),
         recurrent_states(batch=batch, appended=appended),
+        rotating_kv_states(batch=batch, appended=appended),
     ]
     return draw(st.one_of(kinds))
 

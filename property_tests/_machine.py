@@ -78,6 +78,10 @@ class RowMachine(RuleBasedStateMachine):
         """Kinds with no batch axis while empty (unpadded kinds) say False then."""
         return True
 
+    def can_batch(self) -> bool:
+        """merge / extend apply (a window with a `keep` prefix has no batched form)."""
+        return True
+
     # -- rules ---------------------------------------------------------------------------
 
     @precondition(lambda self: self.batch <= MAX_BATCH // 2 and self.can_take_rows())
@@ -100,7 +104,7 @@ class RowMachine(RuleBasedStateMachine):
         self.state = self.apply("filter", ks.filter, self.state, rows)
         self.rows = self.take([rows] if isinstance(rows, int) else rows)
 
-    @precondition(lambda self: self.batch < MAX_BATCH)
+    @precondition(lambda self: self.batch < MAX_BATCH and self.can_batch())
     @rule(data=st.data(), first=st.booleans())
     def merge(self, data: Any, first: bool) -> None:
         others = [self.partner("merge partner", batch=1)]
@@ -112,7 +116,7 @@ class RowMachine(RuleBasedStateMachine):
         self.rows = self.combine(parts, "merge")
         self.pending = 0
 
-    @precondition(lambda self: self.batch < MAX_BATCH)
+    @precondition(lambda self: self.batch < MAX_BATCH and self.can_batch())
     @rule(first=st.booleans())
     def extend(self, first: bool) -> None:
         other = self.partner("extend partner")

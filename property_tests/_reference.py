@@ -236,8 +236,58 @@ def _pads(left_padding: mx.array | None, batch: int) -> list[int]:
     return [int(v) for v in np.array(left_padding).tolist()]
 
 
-def _rotating_meaning(state: Any, batch: int, history: bool) -> list[Any]:
-    raise NotImplementedError("RotatingKV")
+def _rotating_meaning(state: ks.RotatingKV, batch: int, history: bool) -> list[Any]:
+    """Each row's window as mlx-lm reads it (`window_rows`), cut to what any later forward
+    can still attend to (`window_view`), with the row's RoPE position."""
+    prev: list[Any] = [None] * batch
+    if history and state.previous is not None:
+        p = state.previous
+        empty = p.keys is None and ks.batch_size(p) != batch
+        prev = [("empty",)] * batch if empty else meaning(p)
+    rows = []
+    for b, (offset, k, v) in enumerate(window_rows(state)):
+        if k is not None and v is not None:
+            k, v = (
+                window_view(k, state.keep, state.max_size),
+                window_view(v, state.keep, state.max_size),
+            )
+        if k is not None and k.shape[1] == 0:  # no entries: as if never written
+            k = v = None
+        rows.append(("rotating", offset, k, v, prev[b]))
+    return rows
+
+
+def window_rows(state: ks.RotatingKV) -> list[tuple[int, Any, Any]]:
+    """Per row: (RoPE position, keys (H, N, Dk), values) of every entry the window holds,
+    oldest first, as mlx-lm reads them (its own `_temporal_order`, minus the row's left
+    padding); None, None for an empty window."""
+    batch = ks.batch_size(state)
+    if state.left_padding is None:
+        offsets = [state.offset] * batch
+    else:
+        assert state.offsets is not None
+        offsets = [int(v) for v in np.array(state.offsets).tolist()]
+    if state.keys is None or state.values is None:
+        return [(offsets[b], None, None) for b in range(batch)]
+    cache = to_mlx_lm(state)
+    if state.left_padding is None:
+        keys = bits(cache._temporal_order(cache.keys))
+        values = bits(cache._temporal_order(cache.values))
+        starts = [0] * batch
+    else:
+        cache._temporal_order()
+        keys = bits(cache.keys[..., : cache._idx, :])
+        values = bits(cache.values[..., : cache._idx, :])
+        starts = [max(0, int(v)) for v in np.array(cache.left_padding).tolist()]
+    return [(offsets[b], keys[b, :, starts[b] :], values[b, :, starts[b] :]) for b in range(batch)]
+
+
+def window_view(entries: np.ndarray, keep: int, max_size: int) -> np.ndarray:
+    """(H, N, D) oldest first -> what a later forward can attend to (see above)."""
+    limit = max_size - 1
+    if entries.shape[1] <= limit:
+        return entries
+    return np.concatenate([entries[:, :keep], entries[:, entries.shape[1] - (limit - keep) :]], 1)
 
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:
