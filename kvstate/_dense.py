@@ -18,7 +18,7 @@ from ._transforms import (
     merge_states,
     take_rows,
 )
-from ._tree import host_int, replace
+from ._tree import host_ints, replace
 
 
 def used(a: mx.array, length: int) -> mx.array:
@@ -28,13 +28,6 @@ def used(a: mx.array, length: int) -> mx.array:
 
 def padding_or_zeros(left_padding: mx.array | None, batch: int) -> mx.array:
     return left_padding if left_padding is not None else mx.zeros((batch,), mx.int32)
-
-
-def left_pad(a: mx.array, n: int) -> mx.array:
-    """Prepend `n` zero positions on axis 2."""
-    if n == 0:
-        return a
-    return mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)
 
 
 @batch_size_of.register
@@ -83,16 +76,20 @@ def _commit_ragged(state: DenseKV, counts: tuple[int, ...]) -> DenseKV:
     dest = new_length - width + j
     src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
     index = src[:, None, :, None]
+    moving = [mx.take_along_axis(a, index, axis=2) for a in (state.keys, state.values)]
+    # Evaluate the small moved blocks now: while a gather of the buffer is still pending, MLX
+    # cannot write into that buffer in place, and the write would copy the whole context.
+    mx.eval(moving)
 
-    def fill(a: mx.array) -> mx.array:
+    def fill(a: mx.array, block: mx.array) -> mx.array:
         out = a[...]  # a fresh object: the assignment must not reach `state`
-        out[..., new_length - width : new_length, :] = mx.take_along_axis(a, index, axis=2)
+        out[..., new_length - width : new_length, :] = block
         return out
 
     return replace(
         state,
-        keys=fill(state.keys),
-        values=fill(state.values),
+        keys=fill(state.keys, moving[0]),
+        values=fill(state.values, moving[1]),
         left_padding=lp + holes,
         length=new_length,
         appended=0,
@@ -119,7 +116,7 @@ def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
     kept = take_rows(state, rows)
     if kept.left_padding is None:
         return kept
-    shared = host_int(mx.min(kept.left_padding)) if kept.keys is not None else 0
+    shared = min(host_ints(kept.left_padding)) if kept.keys is not None else 0
     if shared <= 0:
         return kept
     assert kept.keys is not None and kept.values is not None
@@ -136,24 +133,31 @@ def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
 def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
     states = [first, *rest]
     length = max(s.length for s in states)
-    paddings = [
-        padding_or_zeros(s.left_padding, batch_size_of(s)) + (length - s.length) for s in states
-    ]
-    left_padding = mx.concatenate(paddings)
+    batches = [batch_size_of(s) for s in states]
+    left_padding = mx.concatenate(
+        [
+            padding_or_zeros(s.left_padding, b) + (length - s.length)
+            for s, b in zip(states, batches, strict=True)
+        ]
+    )
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
         return DenseKV(left_padding=left_padding)
-    k0, v0 = filled[0].keys, filled[0].values
-    assert k0 is not None and v0 is not None
 
-    def aligned(s: DenseKV, a: mx.array | None, like: mx.array) -> mx.array:
-        if a is None:
-            shape = (batch_size_of(s), like.shape[1], length, like.shape[3])
-            return mx.zeros(shape, like.dtype)
-        return left_pad(used(a, s.length), length - s.length)
+    def aligned(arrays: list[mx.array | None]) -> mx.array:
+        # One new buffer, each state's used positions written right-aligned into its rows
+        # (as mlx-lm's merge does): every byte is copied once.
+        like = next(a for a in arrays if a is not None)
+        out = mx.zeros((sum(batches), like.shape[1], length, like.shape[3]), like.dtype)
+        row = 0
+        for s, a, b in zip(states, arrays, batches, strict=True):
+            if a is not None:
+                out[row : row + b, :, length - s.length :, :] = used(a, s.length)
+            row += b
+        return out
 
-    keys = mx.concatenate([aligned(s, s.keys, k0) for s in states])
-    values = mx.concatenate([aligned(s, s.values, v0) for s in states])
+    keys = aligned([s.keys for s in states])
+    values = aligned([s.values for s in states])
     return DenseKV(keys, values, left_padding, length=length)
 
 
@@ -161,7 +165,7 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
 def _(state: DenseKV, row: int) -> DenseKV:
     if state.keys is None or state.values is None:
         return DenseKV(concatenate=state.concatenate)
-    start = host_int(state.left_padding[row]) if state.left_padding is not None else 0
+    start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
     keys = mx.contiguous(state.keys[row : row + 1, :, start : state.length])
     values = mx.contiguous(state.values[row : row + 1, :, start : state.length])
     return DenseKV(keys, values, length=state.length - start, concatenate=state.concatenate)

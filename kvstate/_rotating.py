@@ -36,7 +36,7 @@ from ._transforms import (
     record_forward,
     take_rows,
 )
-from ._tree import host_int, replace
+from ._tree import host_ints, replace
 
 KV = tuple[mx.array, mx.array]
 
@@ -434,8 +434,8 @@ def _(state: RotatingKV, row: int) -> RotatingKV:
         )
     assert state.left_padding is not None and state.offsets is not None
     # BatchRotatingKVCache.extract: unroll the ring, drop the row's padding.
-    padding = max(0, host_int(state.left_padding[row]))
-    offset = host_int(state.offsets[row])
+    padding = max(0, host_ints(state.left_padding)[row])
+    offset = host_ints(state.offsets)[row]
     k, v = state.keys[row : row + 1], state.values[row : row + 1]
     end = state.index
     if state.rotated:

@@ -361,7 +361,15 @@ def extract(state: S, row: int) -> S:
     """Row `row` as an unpadded single-sequence state (batch 1)."""
     check(_is_int(row), RowError, f"extract: row must be an int; got {row!r}")
     (checked,) = _rows(state, row, "extract")
+    mx.eval(_left_paddings(state))  # one host sync for every layer's padding, not one each
     return extract_row(state, checked)
+
+
+def _left_paddings(state: Any) -> list[mx.array]:
+    if isinstance(state, (ListState, ModelState)):
+        return [lp for part in _parts(state) for lp in _left_paddings(part)]
+    padding = getattr(state, "left_padding", None)
+    return [] if padding is None else [padding]
 
 
 @singledispatch

@@ -44,9 +44,9 @@ def replace(state: T, **changes: Any) -> T:
     return attrs.evolve(state, **changes)  # type: ignore[misc]
 
 
-def host_int(a: mx.array) -> int:
-    """A 0-d integer array as a Python int (a host sync)."""
-    return int(cast(int, a.item()))
+def host_ints(a: mx.array) -> list[int]:
+    """A 1-d integer array as Python ints (no new graph node: cheap once `a` is evaluated)."""
+    return [int(x) for x in cast(list, a.tolist())]
 
 
 def is_state(x: object) -> bool:
