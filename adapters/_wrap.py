@@ -51,7 +51,8 @@ class WrappedModel:
         `capture=True` also returns per-token checkpoints for `commit_prefix`.
         Returns `(logits (B, K, vocab), state)` or `(logits, state, checkpoints)`.
         """
-        tokens = _as_batch(tokens, batch_size_of(state))
+        # All layers share the batch; the first says it without a walk over every layer.
+        tokens = _as_batch(tokens, batch_size_of(state.layers[0]) if state.layers else 1)
         if capture:
             from ._capture import forward_capturing
 

@@ -36,12 +36,21 @@ def state_class(cls: type[T]) -> type[T]:
     fields = attrs.fields(cls)  # type: ignore[arg-type]
     cls.__kvstate_children__ = tuple(f.name for f in fields if not f.metadata.get(_STATIC))  # type: ignore[attr-defined]
     cls.__kvstate_statics__ = tuple(f.name for f in fields if f.metadata.get(_STATIC))  # type: ignore[attr-defined]
+    cls.__kvstate_fields__ = tuple(f.name for f in fields)  # type: ignore[attr-defined]
     return cls
 
 
 def replace(state: T, **changes: Any) -> T:
-    """A copy of `state` with some fields changed (`attrs.evolve`, typed for any state)."""
-    return attrs.evolve(state, **changes)  # type: ignore[misc]
+    """A copy of `state` with some fields changed: `attrs.evolve` without its per-call
+    introspection (this runs once per layer per decode step)."""
+    cls = type(state)
+    new = object.__new__(cls)
+    for name in cls.__kvstate_fields__:  # type: ignore[attr-defined]
+        value = changes.pop(name) if name in changes else getattr(state, name)
+        object.__setattr__(new, name, value)
+    if changes:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes)}")
+    return new
 
 
 def host_ints(a: mx.array) -> list[int]:
