@@ -67,15 +67,20 @@ def _(state: RecurrentState, rows: tuple[int, ...]) -> RecurrentState:
     arrays = tuple(None if a is None else a[index] for a in state.arrays)
     left_padding = None if state.left_padding is None else state.left_padding[index]
     lengths = None if state.lengths is None else state.lengths[index]
+    return _keeping_rows(RecurrentState(arrays, left_padding, lengths, state.appended), len(rows))
+
+
+def _keeping_rows(state: RecurrentState, batch: int) -> RecurrentState:
+    """An empty state without bookkeeping has no batch axis: give its `batch` rows zero left
+    padding (as ArraysCache.merge does) so that they are not lost."""
     if (
-        all(a is None for a in arrays)
-        and left_padding is None
-        and lengths is None
-        and len(rows) != 1
+        batch == 1
+        or not is_empty(state)
+        or state.left_padding is not None
+        or state.lengths is not None
     ):
-        # An empty state has no other batch axis to carry its rows (ArraysCache.merge does this).
-        left_padding = mx.zeros((len(rows),), mx.int32)
-    return RecurrentState(arrays, left_padding, lengths, appended=state.appended)
+        return state
+    return RecurrentState(state.arrays, mx.zeros((batch,), mx.int32), None, state.appended)
 
 
 def _zeros_like_rows(like: mx.array, batch: int) -> mx.array:
@@ -119,11 +124,12 @@ def _(a: RecurrentState, b: RecurrentState) -> RecurrentState:
     # ArraysCache.extend: concatenate every array and the bookkeeping, zeros where one is None.
     batches = [batch_size_of(a), batch_size_of(b)]
     arrays = tuple(_concat_rows([x, y], batches) for x, y in zip(a.arrays, b.arrays, strict=True))
-    return RecurrentState(
+    extended = RecurrentState(
         arrays,
         _concat_rows([a.left_padding, b.left_padding], batches),
         _concat_rows([a.lengths, b.lengths], batches),
     )
+    return _keeping_rows(extended, sum(batches))
 
 
 @extract_row.register

@@ -436,6 +436,8 @@ def _(state: RotatingKV, row: int) -> RotatingKV:
     # BatchRotatingKVCache.extract: unroll the ring, drop the row's padding.
     padding = max(0, host_ints(state.left_padding)[row])
     offset = host_ints(state.offsets)[row]
+    if offset <= 0:  # the row holds no entries yet (only padding): an empty window
+        return RotatingKV(max_size=state.max_size, keep=state.keep)
     k, v = state.keys[row : row + 1], state.values[row : row + 1]
     end = state.index
     if state.rotated:

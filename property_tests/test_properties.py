@@ -14,7 +14,6 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
-import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -365,16 +364,10 @@ def _checkpoints(state: Any, data: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-# Known bugs found by these tests (strict xfail: the test fails once the bug is fixed, so
-# the marker gets removed and the case stays covered).
+# Regressions: bugs these properties found (fixed; the cases stay covered).
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvstate/_recurrent.py extend: two empty RecurrentStates without bookkeeping give "
-    "a 1-row state (the rows need zero left padding, as take_rows and merge give them)",
-)
 def test_extend_of_empty_recurrent_states_keeps_every_row():
     empty = ks.RecurrentState((None, None))
     assert ks.batch_size(ks.extend(empty, empty)) == 2
@@ -397,12 +390,6 @@ def test_window_strategy_mirrors_mlx_lm(state, n, data):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvstate/_rotating.py extract: a left-padded row that holds no entries yet becomes "
-    "an unpadded window with offset -1 and a zero-length buffer, which merge then fails on "
-    "with a raw mlx ValueError (mlx-lm's BatchRotatingKVCache.extract does the same)",
-)
 def test_extract_of_a_row_without_entries_is_an_empty_window():
     rng = np.random.default_rng(0)
     one = cache_forward(
