@@ -77,6 +77,7 @@ def _noise(seed: int, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 
 
 _SEEDS = st.integers(0, 2**32 - 1)
+_MAYBE_EMPTY = st.sampled_from([False, False, True])
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ def dense_kv_states(
     v_dim = _knob(draw, v_dim, st.sampled_from([2, 4, 8]))
     dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
     appended = _knob(draw, appended, st.none())
-    empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+    empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
     concatenate = False if padded else _knob(draw, concatenate, st.booleans())
     if empty:
         if padded:
@@ -228,7 +229,8 @@ def quantized_kv_states(
 
     Draws: batch in 1..3; heads in 1..2; bits in `QUANT_BITS`; group size in {32, 64};
     key / value head dims of 1..2 groups each; the scales' dtype in `DTYPES`; length in
-    1..max_length (or `keys is None`, length 0, with `empty=True`); spare capacity past the
+    1..max_length (or `keys is None`, length 0, with `empty=True`: batch 1 only, an empty
+    unpadded state has no batch axis); spare capacity past the
     length (garbage); `appended` in 0..length. Keys and values are `mx.quantize` triples of
     random normal data: packed uint32 (B, H, capacity, D*bits//32), scales and biases
     (B, H, capacity, D//group_size).
@@ -242,7 +244,7 @@ def quantized_kv_states(
     dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
     appended = _knob(draw, appended, st.none())
     if length is None:
-        empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+        empty = False if appended or batch != 1 else _knob(draw, empty, _MAYBE_EMPTY)
     else:
         empty = length == 0
     if empty:
@@ -295,7 +297,8 @@ def chunked_kv_states(
     more than one token keeps the earlier state in `previous` (`commit_prefix` restores it).
 
     Draws: batch in 1..3, heads in 1..2, head dims in {2, 4, 8}, dtype in `DTYPES`,
-    chunk_size in 2..6; `empty=True` gives `keys is None`. keys (B, H, capacity, Dk).
+    chunk_size in 2..6; `empty=True` gives `keys is None` (batch 1 only, like the quantized
+    kind). keys (B, H, capacity, Dk).
     """
     batch = _knob(draw, batch, st.integers(1, 3))
     heads = _knob(draw, heads, st.integers(1, 2))
@@ -304,7 +307,7 @@ def chunked_kv_states(
     dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
     chunk_size = _knob(draw, chunk_size, st.integers(2, 6))
     appended = _knob(draw, appended, st.none())
-    empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+    empty = False if appended or batch != 1 else _knob(draw, empty, _MAYBE_EMPTY)
     if empty:
         return ChunkedKV(chunk_size=chunk_size)
     if appended is None:
@@ -567,7 +570,9 @@ def rotating_kv_states(
     max_size = _knob(draw, max_size, st.integers(2, 6))
     keep = 0 if padded else _knob(draw, keep, st.sampled_from([0, 0, 1]))
     appended = _knob(draw, appended, st.integers(0, 3))
-    empty = False if appended else _knob(draw, empty, st.sampled_from([False, False, True]))
+    empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
+    if empty and batch != 1:
+        padded, keep = True, 0  # several empty rows need the batched form (no keep prefix)
     if padded:
         # An empty batched window gets zero padding (what merge / init_state give): padding
         # is only meaningful for the prompt forward that follows it here.

@@ -84,7 +84,9 @@ class RotatingMachine(RowMachine):
             "keep": 0 if padded else keep,  # mlx-lm's batched window has no keep prefix
         }
         self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
-        self.begin(data, data.draw(rotating_kv_states(padded=padded, **self.config), "initial"))
+        initial = data.draw(rotating_kv_states(padded=padded, **self.config), "initial")
+        self.config["keep"] = initial.keep  # several empty rows come batched, keep 0
+        self.begin(data, initial)
 
     def draw_state(self, label: str, batch: int | None = None) -> ks.RotatingKV:
         return self.data.draw(rotating_kv_states(batch=batch, **self.config), label=label)
