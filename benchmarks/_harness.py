@@ -66,12 +66,22 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def interleave(contenders: Sequence[Contender], reps: int, warmup: int = 2) -> Samples:
-    """Time every contender once per repetition, rotating the order each repetition."""
+def interleave(
+    contenders: Sequence[Contender], reps: int, warmup: int = 2, keep_gc: bool = False
+) -> Samples:
+    """Time every contender once per repetition, rotating the order each repetition.
+
+    The garbage collector is off inside timed blocks (a collection would land on one
+    contender only) unless `keep_gc`: then each contender pays for the collections its own
+    allocations trigger, as in real use (for long blocks of many calls).
+    """
     samples = Samples({c.name: [] for c in contenders})
     n = len(contenders)
     was_enabled = gc.isenabled()
-    gc.disable()  # a collection inside a timed region would land on one contender only
+    if keep_gc:
+        gc.enable()
+    else:
+        gc.disable()
     try:
         for rep in range(warmup + reps):
             order = [contenders[(rep + i) % n] for i in range(n)]
@@ -87,8 +97,7 @@ def interleave(contenders: Sequence[Contender], reps: int, warmup: int = 2) -> S
                     samples.times[c.name].append((t1 - t0) / c.inner)
             gc.collect()
     finally:
-        if was_enabled:
-            gc.enable()
+        (gc.enable if was_enabled else gc.disable)()
     return samples
 
 
