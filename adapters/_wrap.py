@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvstate import ModelState, ShapeError
 from kvstate._transforms import batch_size_of, record_forward
 
-from ._convert import from_mlx_lm, to_mlx_lm
+from ._convert import from_cache, from_mlx_lm, to_cache
 
 
 class WrappedModel:
@@ -62,7 +62,7 @@ class WrappedModel:
     def forward(
         self, tokens: mx.array, state: ModelState, lengths: Sequence[int] | None = None
     ) -> tuple[mx.array, ModelState]:
-        caches = to_mlx_lm(state)
+        caches = [to_cache(layer) for layer in state.layers]
         width = tokens.shape[1]
         padded = lengths is not None and any(n != width for n in lengths)
         if padded:
@@ -73,7 +73,9 @@ class WrappedModel:
         if padded:
             for c in caches:
                 c.finalize()
-        return logits, record_forward(from_mlx_lm(caches), state, width)
+        # Read back and stamp each layer in one pass (this runs every decode step).
+        layers = zip(caches, state.layers, strict=True)
+        return logits, ModelState(tuple(record_forward(from_cache(c), b, width) for c, b in layers))
 
 
 def _as_batch(tokens: Any, batch: int) -> mx.array:

@@ -44,13 +44,10 @@ def replace(state: T, **changes: Any) -> T:
     """A copy of `state` with some fields changed: `attrs.evolve` without its per-call
     introspection (this runs once per layer per decode step)."""
     cls = type(state)
-    new = object.__new__(cls)
-    for name in cls.__kvstate_fields__:  # type: ignore[attr-defined]
-        value = changes.pop(name) if name in changes else getattr(state, name)
-        object.__setattr__(new, name, value)
-    if changes:
-        raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes)}")
-    return new
+    names = cls.__kvstate_fields__  # type: ignore[attr-defined]
+    if not changes.keys() <= set(names):
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes.keys() - set(names))}")
+    return cls(*[changes[n] if n in changes else getattr(state, n) for n in names])
 
 
 def host_ints(a: mx.array) -> list[int]:
