@@ -126,8 +126,22 @@ def tree_unflatten(treedef: TreeDef, leaves: list[mx.array] | tuple[mx.array, ..
     return tree
 
 
+def _collect(node: Any, leaves: list[mx.array]) -> None:
+    if type(node) is mx.array:
+        leaves.append(node)
+    elif isinstance(node, (tuple, list)):
+        for c in node:
+            _collect(c, leaves)
+    elif node is not None:
+        for name in type(node).__kvstate_children__:
+            _collect(getattr(node, name), leaves)
+
+
 def tree_leaves(tree: Any) -> list[mx.array]:
-    return tree_flatten(tree)[0]
+    """The arrays of a state, in `tree_flatten` order (without building a TreeDef)."""
+    leaves: list[mx.array] = []
+    _collect(tree, leaves)
+    return leaves
 
 
 def tree_map(fn: Callable[[mx.array], mx.array], tree: Any) -> Any:
