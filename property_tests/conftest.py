@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=25,
-    stateful_step_count=12,
+    max_examples=60,
+    stateful_step_count=20,
     derandomize=True,
     database=None,
     deadline=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 from mlx_lm.models.cache import BatchKVCache
@@ -71,12 +72,26 @@ class DenseMachine(RowMachine):
         counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
         ragged = len(set(counts)) > 1
+        event(f"commit: {'ragged' if ragged else 'uniform'}, rejects {self.pending - min(counts)}")
         rows = []
         for r, c in zip(self.rows, counts, strict=True):
             kept = r.take(r.length - self.pending + c)
             moved = ragged and c < max(counts)  # a ragged commit may reorder this row
             rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
         self.rows, self.pending = rows, 0
+
+    @rule(k=st.integers(1, 4), data=st.data())
+    def speculate(self, k, data):
+        """A verify forward of k draft tokens, then each row keeps its accepted prefix."""
+        self.forward(k)
+        self.commit(data)
+
+    @rule(data=st.data())
+    def filter(self, data):
+        super().filter(data)
+        # filter drops the left padding every kept row shares (mlx-lm's BatchKVCache.filter)
+        if self.state.left_padding is not None and self.state.keys is not None:
+            assert min(np.array(self.state.left_padding).tolist()) == 0, "shared padding kept"
 
     @invariant()
     def bookkeeping_matches_mlx_lm(self):

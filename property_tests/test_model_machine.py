@@ -135,6 +135,12 @@ class ModelMachine(RowMachine):
         self.rows = [r[: len(r) - self.pending + c] for r, c in zip(self.rows, counts, strict=True)]
         self.pending = 0
 
+    @rule(k=st.integers(1, 3), data=st.data())
+    def speculate(self, k: int, data: Any) -> None:
+        """A capturing verify forward of k draft tokens, then ragged acceptance."""
+        self.forward(k, capture=True)
+        self.commit(data)
+
     def needs_checkpoints(self) -> bool:
         def recurrent(s: Any) -> bool:
             if isinstance(s, ks.ListState):
@@ -184,3 +190,19 @@ class LlamaMachine(ModelMachine):
 TestQwen3NextMachine = Qwen3NextMachine.TestCase
 TestMamba2Machine = Mamba2Machine.TestCase
 TestLlamaMachine = LlamaMachine.TestCase
+
+
+class Gemma3Machine(ModelMachine):
+    """Sliding-window (RotatingKV, window 8) and global attention (DenseKV) layers."""
+
+    name = "gemma3_text"
+
+
+class Lfm2Machine(ModelMachine):
+    """Short convolutions (RecurrentState) and attention (DenseKV) layers."""
+
+    name = "lfm2"
+
+
+TestGemma3Machine = Gemma3Machine.TestCase
+TestLfm2Machine = Lfm2Machine.TestCase

@@ -343,7 +343,7 @@ def test_no_transform_changes_its_input(state, data):
             ks.filter(state, data.draw(indices(batch))),
             ks.extract(state, data.draw(st.integers(-batch, batch - 1))),
         ]
-    accepted = data.draw(accepted_counts(state, ragged=False), label="accepted")
+    accepted = data.draw(accepted_counts(state), label="accepted")
     outputs.append(ks.commit_prefix(state, accepted, _checkpoints(state, data)))
     caches = to_mlx_lm(state)
     outputs.append(from_mlx_lm(caches))
@@ -364,13 +364,8 @@ def _checkpoints(state: Any, data: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-# Regressions: bugs these properties found (fixed; the cases stay covered).
+# The strategies themselves
 # ---------------------------------------------------------------------------------------
-
-
-def test_extend_of_empty_recurrent_states_keeps_every_row():
-    empty = ks.RecurrentState((None, None))
-    assert ks.batch_size(ks.extend(empty, empty)) == 2
 
 
 @given(state=rotating_kv_states(), n=st.integers(1, 4), data=st.data())
@@ -388,6 +383,16 @@ def test_window_strategy_mirrors_mlx_lm(state, n, data):
     assert_identical(
         _window_update(state, keys, values), forgetful(cache_forward(state, keys, values))
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Regressions: bugs these properties found (fixed; the cases stay covered).
+# ---------------------------------------------------------------------------------------
+
+
+def test_extend_of_empty_recurrent_states_keeps_every_row():
+    empty = ks.RecurrentState((None, None))
+    assert ks.batch_size(ks.extend(empty, empty)) == 2
 
 
 def test_extract_of_a_row_without_entries_is_an_empty_window():

@@ -125,6 +125,9 @@ class RecurrentMachine(RowMachine):
             return [RRow(r.arrays, None, None) for r in _zero_fill(rows)]
         lps = _fill_bookkeeping(parts, "left_padding")
         lns = _fill_bookkeeping(parts, "lengths")
+        bare = all(x is None for x in lps + lns)
+        if bare and len(rows) != 1 and all(a is None for r in rows for a in r.arrays):
+            lps = [0] * len(rows)  # empty rows are carried as zero left padding
         return [
             RRow(r.arrays, lp, ln) for r, lp, ln in zip(_zero_fill(rows), lps, lns, strict=True)
         ]
@@ -194,6 +197,12 @@ class RecurrentMachine(RowMachine):
             for row, (r, c) in enumerate(zip(self.rows, counts, strict=True))
         ]
         self.pending = 0
+
+    @rule(k=st.integers(1, 3), data=st.data())
+    def speculate(self, k: int, data: Any) -> None:
+        """A capturing verify forward of k tokens, then each row keeps its accepted prefix."""
+        self.forward(k)
+        self.commit(data)
 
     @rule(data=st.data())
     def commit_without_checkpoints(self, data: Any) -> None:

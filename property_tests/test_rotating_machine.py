@@ -131,6 +131,12 @@ class RotatingMachine(RowMachine):
         self.rows = [h.drop(self.pending - c) for h, c in zip(self.rows, counts, strict=True)]
         self.pending = 0
 
+    @rule(k=st.integers(1, 4), data=st.data())
+    def speculate(self, k: int, data: Any) -> None:
+        """A verify forward of k draft tokens, then each row keeps its accepted prefix."""
+        self.forward(k)
+        self.commit(data)
+
     @precondition(lambda self: self.pending == 1 and _must_keep_all(self.state))
     @rule()
     def rejecting_an_overwriting_token_is_refused(self) -> None:
