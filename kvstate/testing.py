@@ -1,7 +1,7 @@
 """Hypothesis strategies for every kvstate state, so you can property-test your own decoders.
 
-    from hypothesis import given
-    from kvstate.testing import dense_kv_states, accepted_counts
+    from hypothesis import given, strategies as st
+    from kvstate.testing import accepted_counts, dense_kv_states
 
     @given(st.data())
     def test_my_decoder(data):
@@ -9,8 +9,11 @@
         accepted = data.draw(accepted_counts(state))
         ...
 
-Every strategy draws *small* shapes (batch <= 3, heads <= 2, head dims <= 8 or one
-quantization group, a few dozen positions) so that hundreds of examples run in seconds.
+Every strategy draws *small* shapes (batch <= 3, heads <= 2, head dims <= 8 or one or two
+quantization groups, a dozen or so positions) so that hundreds of examples run in seconds.
+States are what the matching mlx-lm cache could hold after real forwards (windows are
+built forward by forward with mlx-lm's own update rule), with `appended` set as after the
+last forward, so `commit_prefix` applies; `accepted_counts` draws counts it accepts.
 Array contents are random normal numbers from a drawn seed (hypothesis does not shrink
 them; it shrinks the shapes, lengths, paddings and counts). Buffer positions that no row
 uses (capacity past the length, left padding) hold garbage on purpose: code that reads
