@@ -134,12 +134,16 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
     states = [first, *rest]
     length = max(s.length for s in states)
     batches = [batch_size_of(s) for s in states]
-    left_padding = mx.concatenate(
-        [
-            padding_or_zeros(s.left_padding, b) + (length - s.length)
-            for s, b in zip(states, batches, strict=True)
-        ]
-    )
+    if all(s.left_padding is None for s in states):  # single sequences: padding known on host
+        pads = [length - s.length for s, b in zip(states, batches, strict=True) for _ in range(b)]
+        left_padding = mx.array(pads, mx.int32)
+    else:
+        left_padding = mx.concatenate(
+            [
+                padding_or_zeros(s.left_padding, b) + (length - s.length)
+                for s, b in zip(states, batches, strict=True)
+            ]
+        )
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
         return DenseKV(left_padding=left_padding)

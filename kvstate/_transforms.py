@@ -288,7 +288,7 @@ def _same_config(states: Sequence[Any], what: str) -> None:
     first = config_of(states[0])
     for i, s in enumerate(states[1:], start=1):
         other = config_of(s)
-        if not _compatible(first, other):
+        if other != first and not _compatible(first, other):  # `!=` first: the common case
             raise ConfigMismatchError(
                 f"{what}: state {i} does not match state 0: "
                 f"{'; '.join(_mismatches(first, other))}; "
