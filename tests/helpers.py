@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import _merge_caches, _right_pad_prompts, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
@@ -28,6 +28,32 @@ def raw_logits(model: Any, tokens: list[int], chunks: list[int]) -> list[np.ndar
         out.append(np.array(logits.astype(mx.float32)))
         at += size
     return out
+
+
+def mlx_lm_batch_prefill(model: Any, prompts: list[list[int]]) -> tuple[mx.array, list[Any]]:
+    """mlx-lm's batch machinery, as in PromptProcessingBatch.prompt: merged empty caches,
+    right-padded prompts, prepare/finalize."""
+    caches = _merge_caches([make_prompt_cache(model) for _ in prompts])
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    for c in caches:
+        c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+    logits = model(_right_pad_prompts(prompts), cache=caches)
+    for c in caches:
+        c.finalize()
+    return logits, caches
+
+
+def assert_teacher_forced_logits_match(
+    model: Any, wrapped: Any, tokens: list[int], chunks: list[int], tol: float = 1e-4
+) -> None:
+    """Feed `tokens` in `chunks` through `wrapped` and through mlx-lm's own caches: the logits
+    of every chunk agree."""
+    state, at = wrapped.init_state(), 0
+    for size, ref in zip(chunks, raw_logits(model, tokens, chunks), strict=True):
+        logits, state = wrapped(mx.array([tokens[at : at + size]]), state)
+        np.testing.assert_allclose(np.array(logits), ref, rtol=tol, atol=tol)
+        at += size
 
 
 def frozen_copy(state: Any) -> tuple[list[np.ndarray], Any]:

@@ -5,13 +5,20 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import _merge_caches, _right_pad_prompts
+from mlx_lm.generate import _right_pad_prompts
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import kvstate as ks
 from adapters import from_mlx_lm, to_mlx_lm, wrap
 from adapters.tiny_models import tiny_model
-from tests.helpers import assert_unchanged, frozen_copy, greedy_reference, raw_logits
+from tests.helpers import (
+    assert_teacher_forced_logits_match,
+    assert_unchanged,
+    frozen_copy,
+    greedy_reference,
+    mlx_lm_batch_prefill,
+    raw_logits,
+)
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8]
 PROMPTS = [[5, 9, 200, 14, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9], [66, 12, 130]]
@@ -42,12 +49,7 @@ def test_greedy_tokens_equal_generate_step(model):
 def test_logits_equal_mlx_lm_under_teacher_forcing(model):
     tokens = PROMPT + greedy_reference(model, PROMPT, 24)
     chunks = [len(PROMPT)] + [1] * 10 + [3, 2, 1, 4] + [1] * 4
-    expected = raw_logits(model, tokens, chunks)
-    m, state, at = wrap(model), wrap(model).init_state(), 0
-    for size, ref in zip(chunks, expected, strict=True):
-        logits, state = m(mx.array([tokens[at : at + size]]), state)
-        np.testing.assert_allclose(np.array(logits), ref, rtol=1e-4, atol=1e-4)
-        at += size
+    assert_teacher_forced_logits_match(model, wrap(model), tokens, chunks)
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 3, 4])
@@ -83,20 +85,6 @@ def test_ragged_commit_equals_per_row_decode(model):
             np.testing.assert_allclose(
                 np.array(logits[row, -1]), expected[0, -1], rtol=1e-4, atol=1e-4
             )
-
-
-def mlx_lm_batch_prefill(model, prompts):
-    """mlx-lm's batch machinery, as in PromptProcessingBatch.prompt: merged empty caches,
-    right-padded prompts, prepare/finalize."""
-    caches = _merge_caches([make_prompt_cache(model) for _ in prompts])
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    for c in caches:
-        c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
-    logits = model(_right_pad_prompts(prompts), cache=caches)
-    for c in caches:
-        c.finalize()
-    return logits, caches
 
 
 def assert_batch_cache_equal(state: ks.DenseKV, cache: BatchKVCache) -> None:

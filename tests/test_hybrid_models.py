@@ -13,7 +13,12 @@ from adapters import _capture as capture_module
 from adapters import wrap
 from adapters._wrap import WrappedModel
 from adapters.tiny_models import VOCAB, tiny_model
-from tests.helpers import assert_unchanged, frozen_copy, greedy_reference, raw_logits
+from tests.helpers import (
+    assert_teacher_forced_logits_match,
+    assert_unchanged,
+    frozen_copy,
+    greedy_reference,
+)
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8]
 DRAFT = [11, 12, 13, 14]
@@ -72,12 +77,7 @@ def test_greedy_tokens_equal_generate_step(model):
 def test_logits_equal_mlx_lm_under_teacher_forcing(model):
     tokens = PROMPT + greedy_reference(model, PROMPT, 24)
     chunks = [len(PROMPT)] + [1] * 10 + [3, 2, 1, 4] + [1] * 4
-    expected = raw_logits(model, tokens, chunks)
-    m, state, at = wrap(model), wrap(model).init_state(), 0
-    for size, ref in zip(chunks, expected, strict=True):
-        logits, state = m(mx.array([tokens[at : at + size]]), state)
-        np.testing.assert_allclose(np.array(logits), ref, **TOL)
-        at += size
+    assert_teacher_forced_logits_match(model, wrap(model), tokens, chunks, tol=TOL["rtol"])
 
 
 @pytest.fixture(scope="module", params=["fast", "replay"])

@@ -13,7 +13,7 @@ import kvstate as ks
 from adapters import _capture as capture_module
 from adapters import from_mlx_lm, to_mlx_lm, wrap
 from adapters.tiny_models import tiny_model
-from tests.helpers import assert_unchanged, frozen_copy
+from tests.helpers import assert_unchanged, frozen_copy, mlx_lm_batch_prefill
 
 PROMPTS = [[5, 9, 200, 14, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9], [66, 12, 130]]
 
@@ -172,20 +172,6 @@ def test_merging_mismatched_recurrent_configs_raises():
 # ---------------------------------------------------------------------------------------
 # Batched decoding against mlx-lm's batch machinery.
 # ---------------------------------------------------------------------------------------
-
-
-def mlx_lm_batch_prefill(model, prompts):
-    """As in PromptProcessingBatch.prompt: merged empty caches, right-padded prompts,
-    prepare/finalize."""
-    caches = _merge_caches([make_prompt_cache(model) for _ in prompts])
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    for c in caches:
-        c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
-    logits = model(_right_pad_prompts(prompts), cache=caches)
-    for c in caches:
-        c.finalize()
-    return logits, caches
 
 
 def test_batched_prompts_decode_like_mlx_lm_batch_generation(model):
