@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import CommitError, ConfigMismatchError, StateError, check
+from ._errors import ConfigMismatchError, StateError, check
 from ._states import ChunkedKV
 from ._transforms import (
     array_kv_config,
@@ -25,6 +25,7 @@ from ._transforms import (
     merge_states,
     record_forward,
     take_rows,
+    uniform_count,
 )
 from ._tree import replace
 
@@ -59,15 +60,7 @@ def _(state: ChunkedKV, before: ChunkedKV, n: int) -> ChunkedKV:
 
 @commit_rows.register
 def _(state: ChunkedKV, counts: tuple[int, ...], checkpoints: Any) -> ChunkedKV:
-    check(
-        len(set(counts)) == 1,
-        CommitError,
-        f"ChunkedKV holds one length for all rows (like mlx-lm's ChunkedKVCache, it has no "
-        f"left padding), so it cannot keep ragged counts {list(counts)}; commit one count for "
-        f"every row (e.g. {min(counts)}, then re-feed the rows' extra accepted tokens), or "
-        "extract the rows (kvstate.extract) and commit each on its own",
-    )
-    accepted = counts[0]
+    accepted = uniform_count(state, counts)
     if accepted == 0 and state.previous is not None:
         # Nothing accepted: the state before the forward, front entries and all (the
         # forward's `maybe_trim_front` may have dropped some).

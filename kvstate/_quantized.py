@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from ._dense import used
-from ._errors import CommitError, ConfigMismatchError, ShapeError, StateError, check
+from ._errors import ConfigMismatchError, ShapeError, StateError, check
 from ._states import DenseKV, ListState, ModelState, Quantized, QuantizedKV, RotatingKV
 from ._transforms import (
     batch_size_of,
@@ -27,6 +27,7 @@ from ._transforms import (
     kv_config,
     merge_states,
     take_rows,
+    uniform_count,
 )
 from ._tree import replace
 
@@ -70,16 +71,9 @@ def _(state: QuantizedKV) -> dict[str, Any]:
 
 @commit_rows.register
 def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> QuantizedKV:
-    check(
-        len(set(counts)) == 1,
-        CommitError,
-        f"QuantizedKV holds one length for all rows (like mlx-lm's QuantizedKVCache, it has "
-        f"no left padding), so it cannot keep ragged counts {list(counts)}; commit one count "
-        f"for every row (e.g. {min(counts)}, then re-feed the rows' extra accepted tokens), "
-        "or extract the rows (kvstate.extract) and commit each on its own",
-    )
+    accepted = uniform_count(state, counts)
     # Like QuantizedKVCache.trim: the rejected positions stay in the buffer, past `length`.
-    return replace(state, length=state.length - (state.appended - counts[0]), appended=0)
+    return replace(state, length=state.length - (state.appended - accepted), appended=0)
 
 
 def _no_batch_axis(state: QuantizedKV | Any, what: str) -> StateError:

@@ -199,6 +199,19 @@ def _(state: Composite) -> dict[str, Any]:
     return {"kind": type(state).__name__, "parts": tuple(config_of(p) for p in _parts(state))}
 
 
+def uniform_count(state: Any, counts: tuple[int, ...]) -> int:
+    """The single count of a kind with one length for all rows (no left padding)."""
+    check(
+        len(set(counts)) == 1,
+        CommitError,
+        f"{type(state).__name__} holds one length for all rows (like its mlx-lm cache, it has "
+        f"no left padding), so it cannot keep ragged counts {list(counts)}; commit one count "
+        f"for every row (e.g. {min(counts)}, then re-feed the rows' extra accepted tokens), "
+        "or extract the rows (kvstate.extract) and commit each on its own",
+    )
+    return counts[0]
+
+
 # ---------------------------------------------------------------------------------------
 # Validation shared by the public functions.
 # ---------------------------------------------------------------------------------------
