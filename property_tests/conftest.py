@@ -8,7 +8,7 @@
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "ci",
@@ -16,6 +16,8 @@ settings.register_profile(
     stateful_step_count=20,
     derandomize=True,
     database=None,
+    # no "explain" phase: on a failing state machine it can take minutes
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
