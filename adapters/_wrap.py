@@ -10,9 +10,10 @@ import mlx.nn as nn
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate import ModelState, ShapeError
+from kvstate import ModelState, ShapeError, StateError
 from kvstate._transforms import batch_size_of, record_forward
 
+from ._capture import forward_capturing
 from ._convert import from_cache, from_mlx_lm, to_cache
 
 
@@ -31,6 +32,8 @@ class WrappedModel:
     def init_state(self, batch_size: int = 1) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
         (batched through mlx-lm's own merge, exactly like its BatchGenerator)."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ShapeError(f"init_state: batch_size must be an int >= 1; got {batch_size!r}")
         if batch_size == 1:
             return from_mlx_lm(make_prompt_cache(self.model))
         caches = [make_prompt_cache(self.model) for _ in range(batch_size)]
@@ -51,11 +54,16 @@ class WrappedModel:
         `capture=True` also returns per-token checkpoints for `commit_prefix`.
         Returns `(logits (B, K, vocab), state)` or `(logits, state, checkpoints)`.
         """
+        if not isinstance(state, ModelState):
+            raise StateError(
+                f"wrapped model: state must be a kvstate.ModelState; got {type(state).__name__} "
+                "(start from m.init_state(batch) or adapters.from_mlx_lm(caches))"
+            )
         # All layers share the batch; the first says it without a walk over every layer.
         tokens = _as_batch(tokens, batch_size_of(state.layers[0]) if state.layers else 1)
+        if lengths is not None:
+            _check_lengths(lengths, tokens.shape, capture)
         if capture:
-            from ._capture import forward_capturing
-
             return forward_capturing(self, tokens, state)
         return self.forward(tokens, state, lengths)
 
@@ -88,6 +96,21 @@ def _as_batch(tokens: Any, batch: int) -> mx.array:
             f"got shape {tuple(tokens.shape)}"
         )
     return tokens
+
+
+def _check_lengths(lengths: Sequence[int], shape: tuple[int, ...], capture: bool) -> None:
+    batch, width = shape
+    if capture:
+        raise StateError(
+            "capture=True with lengths=: a right-padded prompt batch is not a verify forward; "
+            "prefill with lengths= first, then verify with capture=True"
+        )
+    bad = [n for n in lengths if not isinstance(n, int) or not 1 <= n <= width]
+    if len(lengths) != batch or bad:
+        raise ShapeError(
+            f"lengths must give one int in 1..{width} (the padded width) per row of the "
+            f"{batch}-row batch; got {list(lengths)}"
+        )
 
 
 def wrap(model: nn.Module) -> WrappedModel:

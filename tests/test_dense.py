@@ -301,3 +301,18 @@ def test_tokens_of_the_wrong_shape_raise_shape_error(verified):
     m = wrap(tiny_model("llama", num_hidden_layers=1))
     with pytest.raises(ks.ShapeError, match="batch = 3"):
         m(mx.array([[1, 2]] * 2), verified)
+
+
+def test_wrap_rejects_bad_lengths_states_and_batch_sizes(verified):
+    m = wrap(tiny_model("llama", num_hidden_layers=1))
+    tokens = mx.array([[1, 2, 0]] * 3)
+    with pytest.raises(ks.ShapeError, match=r"one int in 1..3 .* got \[3, 4, 1\]"):
+        m(tokens, verified, lengths=[3, 4, 1])
+    with pytest.raises(ks.ShapeError, match="per row of the 3-row batch"):
+        m(tokens, verified, lengths=[3, 2])
+    with pytest.raises(ks.StateError, match="capture=True with lengths="):
+        m(tokens, verified, lengths=[3, 2, 1], capture=True)
+    with pytest.raises(ks.StateError, match=r"must be a kvstate\.ModelState"):
+        m(tokens, [KVCache()])
+    with pytest.raises(ks.ShapeError, match="batch_size must be an int >= 1"):
+        m.init_state(0)
