@@ -50,6 +50,10 @@ class History:
         return History(keys, values, self.offset - n)
 
 
+def held(keys: np.ndarray | None) -> int:
+    return 0 if keys is None else int(keys.shape[1])
+
+
 def histories(state: ks.RotatingKV) -> list[History]:
     """A drawn state's rows as histories: every entry it holds is all the past that matters;
     after a multi-token forward, what the window held before it (`previous`) plus the new
@@ -129,13 +133,21 @@ class RotatingMachine(RowMachine):
         counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
         self.rows = [h.drop(self.pending - c) for h, c in zip(self.rows, counts, strict=True)]
+        self.rejected = self.pending - min(counts)
         self.pending = 0
 
     @rule(k=st.integers(1, 4), data=st.data())
     def speculate(self, k: int, data: Any) -> None:
         """A verify forward of k draft tokens, then each row keeps its accepted prefix."""
+        before = [held(k) for _, k, _ in window_rows(self.state)]
         self.forward(k)
         self.commit(data)
+        # A rolled-back window holds no more than the window before the verify or mlx-lm's
+        # after one-token steps (max_size): over-filling to max_size + k - 1 entries is the
+        # verify forward's own, and a rollback that kept it would hold stale entries.
+        top = self.config["max_size"]
+        for b, (_, keys, _) in enumerate(window_rows(self.state) if self.rejected else ()):
+            assert held(keys) <= max(top, before[b]), f"row {b} holds {held(keys)} entries"
 
     @precondition(lambda self: self.pending == 1 and _must_keep_all(self.state))
     @rule()
