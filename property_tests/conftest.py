@@ -1,7 +1,7 @@
 """Hypothesis profiles, chosen by HYPOTHESIS_PROFILE:
 
 - ci (default): derandomized, no example database, 60 examples (state machines: 60 runs of
-  up to 20 steps); the whole directory runs in about 1.5 minutes on 2 cores.
+  up to 20 steps); the whole directory runs in about 2.5 minutes on 2 cores.
 - dev: random, with the local example database, a few more examples.
 - soak: 1000 examples, 40 steps per run; tens of minutes. Run it after changing a kind.
 """
