@@ -44,6 +44,30 @@ def mlx_lm_batch_prefill(model: Any, prompts: list[list[int]]) -> tuple[mx.array
     return logits, caches
 
 
+def decode_side_by_side(
+    model: Any,
+    wrapped: Any,
+    caches: list[Any],
+    state: Any,
+    y: mx.array,
+    steps: int,
+    assert_layer: Any,
+) -> set[int]:
+    """Greedy 1-token steps on mlx-lm's caches and through `wrapped` from `state`: logits
+    agree and `assert_layer(layer_state, cache)` holds after every step. Returns the
+    distinct tokens decoded (to tell a degenerate oracle)."""
+    distinct: set[int] = set()
+    for _ in range(steps):
+        ref = model(y, cache=caches)
+        logits, state = wrapped(y, state)
+        np.testing.assert_allclose(np.array(logits), np.array(ref), rtol=1e-5, atol=1e-5)
+        for layer, cache in zip(state.layers, caches, strict=True):
+            assert_layer(layer, cache)
+        y = ref[:, -1].argmax(-1)[:, None]
+        distinct.update(np.array(y).ravel().tolist())
+    return distinct
+
+
 def assert_teacher_forced_logits_match(
     model: Any, wrapped: Any, tokens: list[int], chunks: list[int], tol: float = 1e-4
 ) -> None:

@@ -13,7 +13,12 @@ import kvstate as ks
 from adapters import _capture as capture_module
 from adapters import from_mlx_lm, to_mlx_lm, wrap
 from adapters.tiny_models import tiny_model
-from tests.helpers import assert_unchanged, frozen_copy, mlx_lm_batch_prefill
+from tests.helpers import (
+    assert_unchanged,
+    decode_side_by_side,
+    frozen_copy,
+    mlx_lm_batch_prefill,
+)
 
 PROMPTS = [[5, 9, 200, 14, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9], [66, 12, 130]]
 
@@ -186,15 +191,7 @@ def test_batched_prompts_decode_like_mlx_lm_batch_generation(model):
     for layer, cache in zip(state.layers, caches, strict=True):
         assert_matches(layer, cache)
     y = mx.array([[p[-1]] for p in PROMPTS])
-    distinct = set()
-    for _ in range(32):
-        ref = model(y, cache=caches)
-        logits, state = m(y, state)
-        np.testing.assert_allclose(np.array(logits), np.array(ref), rtol=1e-5, atol=1e-5)
-        for layer, cache in zip(state.layers, caches, strict=True):
-            assert_matches(layer, cache)
-        y = ref[:, -1].argmax(-1)[:, None]
-        distinct.update(np.array(y).ravel().tolist())
+    distinct = decode_side_by_side(model, m, caches, state, y, 32, assert_matches)
     assert len(distinct) > 10, "the oracle decode is degenerate; the test would be weak"
 
 
