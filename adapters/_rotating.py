@@ -91,7 +91,7 @@ def _(state: RotatingKV) -> RotatingKVCache | BatchRotatingKVCache:
     if state.offsets is None:
         raise StateError(
             "to_mlx_lm: a batched RotatingKV (left_padding set) needs per-row `offsets`; "
-            "build batched states with kvstate.merge or adapters.from_mlx_lm"
+            "build batched states with kvstate.merge or kvstate.adapters.from_mlx_lm"
         )
     batch = BatchRotatingKVCache.__new__(BatchRotatingKVCache)
     batch.keys, batch.values = fresh(state.keys), fresh(state.values)

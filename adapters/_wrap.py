@@ -57,7 +57,7 @@ class WrappedModel:
         if not isinstance(state, ModelState):
             raise StateError(
                 f"wrapped model: state must be a kvstate.ModelState; got {type(state).__name__} "
-                "(start from m.init_state(batch) or adapters.from_mlx_lm(caches))"
+                "(start from m.init_state(batch) or kvstate.adapters.from_mlx_lm(caches))"
             )
         # All layers share the batch; the first says it without a walk over every layer.
         tokens = _as_batch(tokens, batch_size_of(state.layers[0]) if state.layers else 1)

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 import kvstate
-from adapters import from_mlx_lm
+from kvstate.adapters import from_mlx_lm
 
 # Small heads keep a 32k-token, 8-layer state within a CPU box's memory; the transforms'
 # cost is per byte moved (or O(1)), so the head shape does not change the ratios.

@@ -5,7 +5,7 @@ mlx-lm side: `KVCache.merge` (-> `BatchKVCache.merge`) per layer, and the batch 
 `filter` / `extend` / `extract` methods. Those mutate their cache, so every repetition gets
 fresh cache objects (a `copy.deepcopy` of an evaluated batch: MLX shares the buffers, and
 the methods rebind rather than write into them), built outside the timed region.
-kvstate side: the same caches converted once with `adapters.from_mlx_lm`.
+kvstate side: the same caches converted once with `kvstate.adapters.from_mlx_lm`.
 Every timed call ends with an eval of every array of its result.
 
 Also, where their kvstate kinds are registered: sliding-window layers (RotatingKVCache ->
@@ -27,7 +27,7 @@ from _harness import Contender, fmt_ratio, fmt_time, interleave, main_for, table
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 import kvstate
-from adapters import from_mlx_lm
+from kvstate.adapters import from_mlx_lm
 
 LAYERS = 8
 LENGTHS = (4096, 3500, 3000, 2500, 2048, 1500, 1024, 4000)  # batch 8, up to 4k tokens

@@ -1,6 +1,6 @@
-"""Decode throughput through `adapters.wrap` vs the same model on raw mlx-lm caches.
+"""Decode throughput through `kvstate.adapters.wrap` vs the same model on raw mlx-lm caches.
 
-Models: random-init llamas from adapters.tiny_models. The small one (hidden 512, 8 layers,
+Models: random-init llamas from kvstate.adapters.tiny_models. The small one (hidden 512, 8 layers,
 8 query / 4 KV heads of 64, fp32) always runs; the large one (hidden 2048, 16 layers,
 16 query / 8 KV heads of 128, 32k vocabulary, bf16, ~1.1B parameters) runs on a GPU, or on
 any device with --large. Contexts are random keys/values written through mlx-lm's
@@ -52,8 +52,8 @@ from _harness import (
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate
-from adapters import from_mlx_lm, to_mlx_lm, wrap
-from adapters.tiny_models import tiny_model
+from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
+from kvstate.adapters.tiny_models import tiny_model
 
 TARGET = 0.97
 BLOCK = 16  # tokens per timed block of the pipelined loop
@@ -61,7 +61,7 @@ BLOCK = 16  # tokens per timed block of the pipelined loop
 
 @dataclass(frozen=True)
 class Spec:
-    """A llama built by adapters.tiny_models (random init) and the contexts it decodes at."""
+    """A llama built by kvstate.adapters.tiny_models (random init) and the contexts it decodes at."""
 
     name: str
     config: dict[str, int]
@@ -422,7 +422,7 @@ def run(quick: bool, large: bool | None = None) -> str:
         verdicts += v
     return "\n".join(
         [
-            "## decode: `adapters.wrap` vs raw mlx-lm caches",
+            "## decode: `kvstate.adapters.wrap` vs raw mlx-lm caches",
             "",
             "Contexts of random keys/values written through mlx-lm's "
             "`KVCache.update_and_fetch`; both contenders decode the same model from the "

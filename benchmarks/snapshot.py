@@ -35,7 +35,7 @@ from _harness import (
 from mlx_lm.models.cache import KVCache
 
 import kvstate
-from adapters import from_mlx_lm, to_mlx_lm
+from kvstate.adapters import from_mlx_lm, to_mlx_lm
 
 CONTEXT = 32768
 LAYERS = 8

@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 import kvstate as ks
-from adapters import wrap
-from adapters.tiny_models import tiny_model
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import tiny_model
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 101, 102], [7, 7, 40, 41, 42, 43]]
 NEW_TOKENS = 32

@@ -1,7 +1,7 @@
 """kvstate: functional, immutable LLM cache state for MLX.
 
 States are frozen attrs pytrees (batch-leading arrays + hashable statics); transforms are
-pure functions. Convert to and from mlx-lm caches with the `adapters` package.
+pure functions. Convert to and from mlx-lm caches with `kvstate.adapters`.
 """
 
 # Importing the kind modules registers their transforms.

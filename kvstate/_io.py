@@ -83,7 +83,7 @@ def save(
         raise StateError(
             f"save: expected a kvstate state (ModelState, DenseKV, ...) or a tuple/list of them; "
             f"got a {type(state).__name__}. Convert mlx-lm caches first: "
-            "adapters.from_mlx_lm(caches)"
+            "kvstate.adapters.from_mlx_lm(caches)"
         )
     arrays: dict[str, mx.array] = {}
     tree = _encode(state, (), arrays)
@@ -104,7 +104,7 @@ def save(
 
 def load(path: str | os.PathLike[str], *, return_metadata: bool = False) -> Any:
     """Read a state written by `save`, or a prompt cache written by mlx-lm's
-    `save_prompt_cache` (which gives a `ModelState`, built as `adapters.from_mlx_lm` builds it).
+    `save_prompt_cache` (which gives a `ModelState`, built as `kvstate.adapters.from_mlx_lm` builds it).
 
     Returns the state, or `(state, metadata)` with `return_metadata=True`.
     Raises `FileFormatError` for a missing, truncated, tampered, newer-version or foreign

@@ -6,7 +6,7 @@ small arrays and listed in the metadata. The metadata is `tree_flatten([user, cl
   "0.<key>"  the caller's metadata
   "1.<i>"    layer i's cache class name
   "2.0" = "" then "2.<j>.0" a tensor name and "2.<j>.1" its kind: scalar | string | none.
-Each class name maps to the state `adapters.from_mlx_lm` builds for that class.
+Each class name maps to the state `kvstate.adapters.from_mlx_lm` builds for that class.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ _CLASSES: dict[str, tuple[int | None, Callable[[_Reader, Tree], Any]]] = {
     "RotatingKVCache": (6, _rotating),
     "BatchRotatingKVCache": (8, _batch_rotating),
     "QuantizedKVCache": (5, _quantized),
-    # adapters.to_mlx_lm's subclass (fixed packing); save_prompt_cache records its name.
+    # kvstate.adapters.to_mlx_lm's subclass (fixed packing); save_prompt_cache records its name.
     "PackedQuantizedKVCache": (5, _quantized),
     "ChunkedKVCache": (5, _chunked),
     "ArraysCache": (3, _arrays),

@@ -184,7 +184,7 @@ def _history(state: RotatingKV, counts: tuple[int, ...]) -> _History:
     raise CommitError(
         f"commit_prefix: this RotatingKV says its last forward appended {n} tokens but holds "
         "no record of the window before it (`previous` is None); commit states that "
-        "adapters.wrap returned, or build them with record_forward"
+        "kvstate.adapters.wrap returned, or build them with record_forward"
     )
 
 

@@ -114,7 +114,7 @@ def _unknown(state: Any) -> StateError:
     return StateError(
         f"{type(state).__name__} is not a kvstate state; expected one of DenseKV, QuantizedKV, "
         "RotatingKV, ChunkedKV, RecurrentState, ListState, ModelState "
-        "(convert mlx-lm caches with adapters.from_mlx_lm)"
+        "(convert mlx-lm caches with kvstate.adapters.from_mlx_lm)"
     )
 
 

@@ -557,7 +557,7 @@ def rotating_kv_states(
     0..2 before the first forward, which is then longer than it) would. Rings wrap,
     multi-token forwards over-fill to max_size + S - 1 entries, single tokens overwrite.
     The last forward (of `appended` tokens, 0 = none recorded) keeps the state before it
-    in `previous` when it had more than one token, as `adapters.wrap` does.
+    in `previous` when it had more than one token, as `kvstate.adapters.wrap` does.
 
     Draws: batch in 1..3, padded, heads in 1..2, head dims in {2, 4, 8}, dtype in
     `DTYPES`, max_size in 2..6, keep in 0..1 (0 when padded: mlx-lm's batched window has

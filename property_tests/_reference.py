@@ -16,7 +16,7 @@ import numpy as np
 from mlx_lm.models.cache import ChunkedKVCache
 
 import kvstate as ks
-from adapters import from_mlx_lm, to_mlx_lm
+from kvstate.adapters import from_mlx_lm, to_mlx_lm
 from kvstate._transforms import record_forward
 from kvstate._tree import tree_flatten
 

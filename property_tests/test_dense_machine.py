@@ -16,7 +16,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from mlx_lm.models.cache import BatchKVCache
 
 import kvstate as ks
-from adapters import to_mlx_lm
+from kvstate.adapters import to_mlx_lm
 from kvstate.testing import DTYPES, accepted_counts, dense_kv_states
 
 from ._machine import RowMachine

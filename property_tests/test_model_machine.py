@@ -1,4 +1,4 @@
-"""A whole model's state (ModelState) through `adapters.wrap` as a state machine.
+"""A whole model's state (ModelState) through `kvstate.adapters.wrap` as a state machine.
 
 The reference is the simplest possible one: each row's token list. The oracle is mlx-lm
 itself: after every forward, row b's logits must equal those of the same random-init model
@@ -21,8 +21,8 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from adapters import wrap
-from adapters.tiny_models import VOCAB, tiny_model
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate._transforms import appended_of
 from kvstate.testing import accepted_counts
 

@@ -1,5 +1,5 @@
 """commit_prefix after a capturing verify == decoding only the accepted prefix, through
-`adapters.wrap` on tiny random-init models of every recurrent family (and a wrapped forward
+`kvstate.adapters.wrap` on tiny random-init models of every recurrent family (and a wrapped forward
 never changes the state it was given)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvstate as ks
-from adapters import wrap
-from adapters.tiny_models import VOCAB, tiny_model
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
 
 from ._reference import Witness
 

@@ -18,7 +18,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import kvstate as ks
-from adapters import from_mlx_lm, to_mlx_lm
+from kvstate.adapters import from_mlx_lm, to_mlx_lm
 from kvstate._transforms import appended_of
 from kvstate._tree import tree_flatten
 from kvstate.testing import (

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import kvstate as ks
-from adapters import from_mlx_lm, to_mlx_lm
+from kvstate.adapters import from_mlx_lm, to_mlx_lm
 from kvstate._transforms import record_forward
 from kvstate.testing import DTYPES, accepted_counts, recurrent_states
 

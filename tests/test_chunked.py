@@ -11,7 +11,7 @@ from mlx_lm.models import llama4
 from mlx_lm.models.cache import ChunkedKVCache, make_prompt_cache
 
 import kvstate as ks
-from adapters import from_mlx_lm, to_mlx_lm, wrap
+from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate._transforms import record_forward
 from tests.helpers import assert_unchanged, frozen_copy, greedy_reference, raw_logits
 
@@ -47,7 +47,7 @@ def model():
     }
     mx.random.seed(0)
     m = llama4.Model(llama4.ModelArgs.from_dict({"model_type": "llama4", "text_config": text}))
-    # Scale weights up, as adapters.tiny_models does, so greedy decoding does not repeat.
+    # Scale weights up, as kvstate.adapters.tiny_models does, so greedy decoding does not repeat.
     params = tree_flatten(m.parameters())
     m.update(
         tree_unflatten([(k, v * 4 if v.ndim >= 2 and "norm" not in k else v) for k, v in params])

@@ -9,8 +9,8 @@ from mlx_lm.generate import _right_pad_prompts
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import kvstate as ks
-from adapters import from_mlx_lm, to_mlx_lm, wrap
-from adapters.tiny_models import tiny_model
+from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
+from kvstate.adapters.tiny_models import tiny_model
 from tests.helpers import (
     assert_teacher_forced_logits_match,
     assert_unchanged,

@@ -9,10 +9,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from adapters import _capture as capture_module
-from adapters import wrap
-from adapters._wrap import WrappedModel
-from adapters.tiny_models import VOCAB, tiny_model
+from kvstate.adapters import _capture as capture_module
+from kvstate.adapters import wrap
+from kvstate.adapters._wrap import WrappedModel
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from tests.helpers import (
     assert_teacher_forced_logits_match,
     assert_unchanged,

@@ -29,9 +29,9 @@ from mlx_lm.models.cache import (
 )
 
 import kvstate as ks
-from adapters import from_mlx_lm, wrap
-from adapters._convert import _FROM, to_cache
-from adapters.tiny_models import tiny_model
+from kvstate.adapters import from_mlx_lm, wrap
+from kvstate.adapters._convert import _FROM, to_cache
+from kvstate.adapters.tiny_models import tiny_model
 from kvstate import (
     ChunkedKV,
     DenseKV,
@@ -528,7 +528,7 @@ def test_mlx_lm_file_of_a_whole_hybrid_model_equals_the_adapters(tmp_path):
 
 def test_reads_save_prompt_cache_of_adapter_caches(tmp_path):
     """to_mlx_lm may hand out adapter subclasses (PackedQuantizedKVCache); their files load."""
-    from adapters import to_mlx_lm
+    from kvstate.adapters import to_mlx_lm
 
     path = str(tmp_path / "prompt.safetensors")
     state = ModelState((SAMPLES["quantized"], SAMPLES["dense"]))

@@ -10,9 +10,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 import kvstate as ks
-from adapters import from_mlx_lm, to_mlx_lm, wrap
-from adapters._quantized import PackedQuantizedKVCache
-from adapters.tiny_models import tiny_model
+from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
+from kvstate.adapters._quantized import PackedQuantizedKVCache
+from kvstate.adapters.tiny_models import tiny_model
 from tests.helpers import assert_unchanged, frozen_copy
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 3, 4]

@@ -10,9 +10,9 @@ from mlx_lm.generate import _merge_caches, _right_pad_prompts
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, make_prompt_cache
 
 import kvstate as ks
-from adapters import _capture as capture_module
-from adapters import from_mlx_lm, to_mlx_lm, wrap
-from adapters.tiny_models import tiny_model
+from kvstate.adapters import _capture as capture_module
+from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
+from kvstate.adapters.tiny_models import tiny_model
 from tests.helpers import (
     assert_unchanged,
     decode_side_by_side,
