@@ -39,8 +39,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from kvstate import ListState, ModelState, RecurrentState
-from kvstate._transforms import record_forward
+from kvstate import ModelState, RecurrentState
+from kvstate.kinds import Composite, record_forward
 
 from ._convert import from_mlx_lm, to_mlx_lm
 
@@ -181,10 +181,8 @@ def _forward_replaying(
 
 def _map_recurrent(state: Any, fn: Callable[[RecurrentState], Any]) -> Any:
     """`fn` of every RecurrentState, in the checkpoints' structure (None elsewhere)."""
-    if isinstance(state, ModelState):
-        return tuple(_map_recurrent(s, fn) for s in state.layers)
-    if isinstance(state, ListState):
-        return tuple(_map_recurrent(s, fn) for s in state.states)
+    if isinstance(state, Composite):
+        return tuple(_map_recurrent(s, fn) for s in state.parts)
     if isinstance(state, RecurrentState):
         return fn(state)
     return None
@@ -198,10 +196,8 @@ def recurrent_arrays(state: Any) -> Any:
 def _per_step(state: Any, steps: list[Any]) -> Any:
     """Per-step `recurrent_arrays` structures -> the checkpoints' structure with, at each
     RecurrentState, the list of its array tuples, one per step."""
-    if isinstance(state, ModelState):
-        return tuple(_per_step(x, [s[i] for s in steps]) for i, x in enumerate(state.layers))
-    if isinstance(state, ListState):
-        return tuple(_per_step(x, [s[i] for s in steps]) for i, x in enumerate(state.states))
+    if isinstance(state, Composite):
+        return tuple(_per_step(x, [s[i] for s in steps]) for i, x in enumerate(state.parts))
     if isinstance(state, RecurrentState):
         return list(steps)
     return None

@@ -4,18 +4,19 @@ Neither direction ever hands the same `mx.array` object to both sides: `fresh(a)
 array object over the same buffer, so a model's in-place slice write into a cache object
 (`cache.keys[..., i:j, :] = k`) copies on write instead of reaching a state someone holds.
 
-Each kind registers its own pair of converters (see `_kinds.py`).
+Each kind's adapter module registers its pair of converters: `register_from(CacheClass)`
+for cache -> state, `to_cache.register` for state -> cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import singledispatch
 from typing import Any
 
 import mlx.core as mx
 
-from kvstate import ModelState, StateError
+from kvstate import ModelState, StateError, check
 
 
 def fresh(a: Any) -> Any:
@@ -65,10 +66,14 @@ def from_cache(cache: Any) -> Any:
 
 def from_mlx_lm(caches: Any) -> Any:
     """mlx-lm caches -> a state. A list (a model's prompt cache) gives a `ModelState`;
-    a single cache object gives that layer's state."""
+    a single cache object gives that layer's state.
+
+    The state is checked (`kvstate.check`: shapes, counts, and the per-row padding, which
+    reads those small arrays back from the device) before it is returned.
+    """
     if isinstance(caches, (list, tuple)):
-        return ModelState(tuple(from_cache(c) for c in caches))
-    return from_cache(caches)
+        return check(ModelState(tuple(from_cache(c) for c in caches)))
+    return check(from_cache(caches))
 
 
 def to_mlx_lm(state: Any) -> Any:
@@ -76,11 +81,3 @@ def to_mlx_lm(state: Any) -> Any:
     if isinstance(state, ModelState):
         return [to_cache(s) for s in state.layers]
     return to_cache(state)
-
-
-def to_caches(layers: Sequence[Any]) -> list[Any]:
-    return [to_cache(s) for s in layers]
-
-
-def as_int_array(values: Any) -> mx.array:
-    return values if isinstance(values, mx.array) else mx.array(values, dtype=mx.int32)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import BatchKVCache, ConcatenateKVCache, KVCache
 
-from kvstate import DenseKV
-from kvstate._dense import used
+from kvstate import DenseKV, StateError
 
 from ._convert import fresh, register_from, to_cache
 
@@ -22,6 +21,16 @@ def _(cache: ConcatenateKVCache) -> DenseKV:
 
 @register_from(BatchKVCache)
 def _(cache: BatchKVCache) -> DenseKV:
+    right_padding = getattr(cache, "_right_padding", None)
+    if right_padding is not None:
+        # Between prepare(right_padding=...) and finalize() the rows are right-padded; a
+        # DenseKV is left-padded only, and finalize() would find nothing to roll.
+        raise StateError(
+            "from_mlx_lm: this BatchKVCache is between prepare() and finalize() "
+            f"(_right_padding = {right_padding.tolist()}); call cache.finalize() after the "
+            "padded prompt forward, then convert (kvstate.adapters.wrap(model)(tokens, state, "
+            "lengths=...) runs that whole phase for you)"
+        )
     # offset == _idx - left_padding in every BatchKVCache, so the state derives it.
     return DenseKV(
         fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), length=cache._idx
@@ -41,8 +50,8 @@ def _(state: DenseKV) -> KVCache | BatchKVCache | ConcatenateKVCache:
     if state.concatenate:
         concat = ConcatenateKVCache()
         if state.keys is not None and state.values is not None:
-            concat.keys = used(state.keys, state.length)[...]
-            concat.values = used(state.values, state.length)[...]
+            concat.keys = state.keys[..., : state.length, :]
+            concat.values = state.values[..., : state.length, :]
         concat.offset = state.length
         return concat
     cache = KVCache()

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate import ModelState, ShapeError, StateError
-from kvstate._transforms import batch_size_of, record_forward
+from kvstate import ConfigMismatchError, ModelState, ShapeError, StateError, TokenError, check
+from kvstate.kinds import batch_size_of, fit_config_of, record_forward
 
 from ._capture import forward_capturing
 from ._convert import from_cache, from_mlx_lm, to_cache
+from ._fit import layer_mismatches
 
 
 class WrappedModel:
@@ -24,24 +27,39 @@ class WrappedModel:
     objects over the same buffers), runs the model, and reads the caches back into a new
     state. When the caller rebinds (`state = ...`) nothing else holds the old buffers and
     MLX updates them in place; when the caller keeps the old state, MLX copies on write.
+
+    Every call first checks, without a device sync, that the state fits the model (one part
+    per layer, of the kind and configuration the model's own `make_cache` gives) and that the
+    tokens are integer ids of the state's batch. States this wrapped model returned are
+    known to fit, so a decode loop that rebinds its state pays for none of it.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self._layers: tuple[dict[str, Any], ...] | None = None  # fit configs, from a probe
+        self._vocab = 0
+        self._returned: weakref.WeakSet[ModelState] = weakref.WeakSet()
 
     def init_state(self, batch_size: int = 1) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
         (batched through mlx-lm's own merge, exactly like its BatchGenerator)."""
-        if not isinstance(batch_size, int) or batch_size < 1:
+        ok = isinstance(batch_size, (int, np.integer)) and not isinstance(batch_size, bool)
+        if not ok or batch_size < 1:
             raise ShapeError(f"init_state: batch_size must be an int >= 1; got {batch_size!r}")
         if batch_size == 1:
-            return from_mlx_lm(make_prompt_cache(self.model))
-        caches = [make_prompt_cache(self.model) for _ in range(batch_size)]
-        return from_mlx_lm(_merge_caches(caches))
+            return self._ours(from_mlx_lm(make_prompt_cache(self.model)))
+        caches = [make_prompt_cache(self.model) for _ in range(int(batch_size))]
+        return self._ours(from_mlx_lm(_merge_caches(caches)))
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids the model takes are 0 .. vocab_size - 1."""
+        self._probe()
+        return self._vocab
 
     def __call__(
         self,
-        tokens: mx.array,
+        tokens: Any,
         state: ModelState,
         *,
         lengths: Sequence[int] | None = None,
@@ -49,27 +67,30 @@ class WrappedModel:
     ) -> Any:
         """Run `tokens` (B, K) int through the model from `state`.
 
+        `tokens`: an mx.array, a NumPy array or nested lists of ints; (K,) means batch 1.
+        Ids from lists or NumPy are checked against the vocabulary here. Ids in an mx.array
+        are not read back (that would stall the device pipeline): an id outside the
+        vocabulary gives NaN logits for its position (instead of reading out of bounds),
+        and the state then holds id 0 there, so discard it.
         `lengths`: for a right-padded batch of prompts, each row's real length; rows are
         re-aligned to left padding afterwards, as in mlx-lm's batch generation.
         `capture=True` also returns per-token checkpoints for `commit_prefix`.
         Returns `(logits (B, K, vocab), state)` or `(logits, state, checkpoints)`.
         """
-        if not isinstance(state, ModelState):
-            raise StateError(
-                f"wrapped model: state must be a kvstate.ModelState; got {type(state).__name__} "
-                "(start from m.init_state(batch) or kvstate.adapters.from_mlx_lm(caches))"
-            )
-        # All layers share the batch; the first says it without a walk over every layer.
-        tokens = _as_batch(tokens, batch_size_of(state.layers[0]) if state.layers else 1)
+        self._check_fits(state)
+        tokens, bad = self._tokens(tokens, state)
         if lengths is not None:
             _check_lengths(lengths, tokens.shape, capture)
         if capture:
-            return forward_capturing(self, tokens, state)
-        return self.forward(tokens, state, lengths)
+            logits, new, checkpoints = forward_capturing(self, tokens, state)
+            return _poisoned(logits, bad), self._ours(new), checkpoints
+        logits, new = self.forward(tokens, state, lengths)
+        return _poisoned(logits, bad), self._ours(new)
 
     def forward(
         self, tokens: mx.array, state: ModelState, lengths: Sequence[int] | None = None
     ) -> tuple[mx.array, ModelState]:
+        """The forward itself, without any check of `tokens` or `state`."""
         caches = [to_cache(layer) for layer in state.layers]
         width = tokens.shape[1]
         padded = lengths is not None and any(n != width for n in lengths)
@@ -85,17 +106,107 @@ class WrappedModel:
         layers = zip(caches, state.layers, strict=True)
         return logits, ModelState(tuple(record_forward(from_cache(c), b, width) for c, b in layers))
 
+    # -- checks ------------------------------------------------------------------------------
 
-def _as_batch(tokens: Any, batch: int) -> mx.array:
-    tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
-    if tokens.ndim == 1:
-        tokens = tokens[None]
-    if tokens.ndim != 2 or (tokens.shape[0] != batch and batch != 1):
-        raise ShapeError(
-            f"tokens must be (batch, K) with batch = {batch} (the state's rows); "
-            f"got shape {tuple(tokens.shape)}"
-        )
-    return tokens
+    def _ours(self, state: ModelState) -> ModelState:
+        self._returned.add(state)
+        return state
+
+    def _probe(self) -> tuple[dict[str, Any], ...]:
+        """What each layer's state looks like for this model: the model's own caches after
+        a one-token forward, read as shapes only (the graph is built, never evaluated)."""
+        if self._layers is None:
+            caches = make_prompt_cache(self.model)
+            logits = self.model(mx.array([[0]]), cache=caches)
+            layers = [from_cache(c) for c in caches]
+            self._layers = tuple(fit_config_of(layer) for layer in layers)
+            vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+            self._vocab = int(vocab) if isinstance(vocab, int) else int(logits.shape[-1])
+        return self._layers
+
+    def _check_fits(self, state: Any) -> None:
+        if not isinstance(state, ModelState):
+            raise StateError(
+                f"wrapped model: state must be a kvstate.ModelState; got {type(state).__name__} "
+                "(start from m.init_state(batch) or kvstate.adapters.from_mlx_lm(caches))"
+            )
+        if state in self._returned:
+            return
+        check(state, values=False)
+        found = layer_mismatches(self._probe(), state)
+        if found:
+            raise ConfigMismatchError(
+                f"this state does not fit the wrapped model: {'; '.join(found[:12])}. Start "
+                "from m.init_state(batch), or from states this model (or one of the same "
+                "architecture and size) produced"
+            )
+
+    def _tokens(self, tokens: Any, state: ModelState) -> tuple[mx.array, mx.array | None]:
+        """Tokens as a checked (B, K) integer array, and for mx.array ids the mask of ids
+        outside the vocabulary (None when the ids were checked on the host)."""
+        if isinstance(tokens, mx.array):
+            ids, host = tokens, None
+        else:
+            host = _host_ids(tokens)
+            ids = mx.array(host) if host.dtype.kind in "iu" else None  # type: ignore[assignment]
+        if ids is None or not mx.issubdtype(ids.dtype, mx.integer):
+            dtype = host.dtype if host is not None else ids.dtype
+            raise TokenError(f"token ids must be integers; got dtype {dtype}")
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise TokenError(
+                f"tokens must be a non-empty (batch, K) array of ids; got shape {tuple(ids.shape)}"
+            )
+        _check_batch(ids.shape[0], state)
+        vocab = self.vocab_size
+        if host is not None:
+            outside = sorted({int(i) for i in host.ravel() if not 0 <= i < vocab})
+            if outside:
+                raise TokenError(
+                    f"token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})"
+                )
+            return ids.astype(mx.int32), None
+        bad = (ids < 0) | (ids >= vocab)
+        return mx.where(bad, 0, ids), bad
+
+
+def _host_ids(tokens: Any) -> np.ndarray:
+    try:
+        host = np.asarray(tokens)
+    except ValueError:  # ragged nested lists
+        raise TokenError(
+            "tokens must be a rectangular (batch, K) array of ids; rows of different lengths "
+            "need right padding and lengths= (see WrappedModel.__call__)"
+        ) from None
+    if host.dtype == object:
+        raise TokenError(f"token ids must be integers; got {tokens!r:.80}")
+    return host
+
+
+def _check_batch(rows: int, state: ModelState) -> None:
+    batch = batch_size_of(state.layers[0]) if state.layers else 1
+    if rows == batch:
+        return
+    # A state that holds no arrays yet (init_state()) takes its batch from the first forward.
+    if batch == 1 and not any(_holds_arrays(layer) for layer in state.layers):
+        return
+    raise TokenError(
+        f"tokens have {rows} rows but the state has {batch}; give one row of tokens per row "
+        "of the state (tile / row_select / merge the state to change its rows)"
+    )
+
+
+def _holds_arrays(layer: Any) -> bool:
+    from kvstate import tree_flatten
+
+    return bool(tree_flatten(layer)[0])
+
+
+def _poisoned(logits: mx.array, bad: mx.array | None) -> mx.array:
+    if bad is None:
+        return logits
+    return mx.where(bad[..., None], mx.array(float("nan"), logits.dtype), logits)
 
 
 def _check_lengths(lengths: Sequence[int], shape: tuple[int, ...], capture: bool) -> None:

@@ -1,11 +1,14 @@
 """kvstate: functional, immutable LLM cache state for MLX.
 
 States are frozen attrs pytrees (batch-leading arrays + hashable statics); transforms are
-pure functions. Convert to and from mlx-lm caches with `kvstate.adapters`.
+pure functions. Convert to and from mlx-lm caches with `kvstate.adapters`; declare a new
+kind of state with `kvstate.kinds`.
 """
 
-# Importing the kind modules registers their transforms.
-from . import _chunked, _dense, _quantized, _recurrent, _rotating  # noqa: F401
+# Importing the kind modules registers them (`kvstate.kinds.kinds()` lists them).
+from ._chunked import ChunkedKV
+from ._composite import ListState, ModelState
+from ._dense import DenseKV
 from ._errors import (
     CheckpointRequiredError,
     CommitError,
@@ -14,22 +17,15 @@ from ._errors import (
     RowError,
     ShapeError,
     StateError,
+    TokenError,
 )
 from ._io import load, save
-from ._quantized import quantize
-from ._states import (
-    ChunkedKV,
-    DenseKV,
-    LayerState,
-    ListState,
-    ModelState,
-    QuantizedKV,
-    RecurrentState,
-    RotatingKV,
-    State,
-)
+from ._quantized import QuantizedKV, packed_width, quantize
+from ._recurrent import RecurrentState
+from ._rotating import RotatingKV
 from ._transforms import (
     batch_size,
+    capabilities,
     commit_prefix,
     extend,
     extract,
@@ -39,16 +35,18 @@ from ._transforms import (
     snapshot,
     tile,
 )
-from ._tree import eval, nbytes, static_field, tree_flatten, tree_map, tree_unflatten
+from ._tree import State, eval, nbytes, tree_flatten, tree_map
+from ._validation import check, tree_unflatten
+from .kinds import Capabilities
 
 __all__ = [
+    "Capabilities",
     "CheckpointRequiredError",
     "ChunkedKV",
     "CommitError",
     "ConfigMismatchError",
     "DenseKV",
     "FileFormatError",
-    "LayerState",
     "ListState",
     "ModelState",
     "QuantizedKV",
@@ -58,7 +56,10 @@ __all__ = [
     "ShapeError",
     "State",
     "StateError",
+    "TokenError",
     "batch_size",
+    "capabilities",
+    "check",
     "commit_prefix",
     "eval",
     "extend",
@@ -67,11 +68,11 @@ __all__ = [
     "load",
     "merge",
     "nbytes",
+    "packed_width",
     "quantize",
     "row_select",
     "save",
     "snapshot",
-    "static_field",
     "tile",
     "tree_flatten",
     "tree_map",

@@ -14,20 +14,40 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ConfigMismatchError, StateError, check
-from ._states import ChunkedKV
-from ._transforms import (
-    array_kv_config,
+from ._errors import ConfigMismatchError, StateError, require
+from ._shared import array_kv_config, shared_appended, uniform_count
+from ._tree import State, replace
+from ._validation import kv_pair_problems, static_int
+from .kinds import (
+    Capabilities,
     batch_size_of,
     commit_rows,
     config_of,
     extract_row,
     merge_states,
+    problems,
     record_forward,
+    state_class,
+    static_field,
     take_rows,
-    uniform_count,
 )
-from ._tree import replace
+
+
+@state_class(Capabilities(trimmable=True, ragged_commit=False, batchable=False))
+class ChunkedKV(State):
+    """mlx-lm's ChunkedKVCache: a dense buffer whose front is dropped past `chunk_size`.
+
+    Positions [start_position, offset) are held at buffer indices [0, offset - start_position).
+    `previous`: the state before the last multi-token forward (see the module docstring).
+    """
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    previous: ChunkedKV | None = None
+    chunk_size: int = static_field(default=0)
+    offset: int = static_field(default=0)
+    start_position: int = static_field(default=0)
+    appended: int = static_field(default=0)
 
 
 def valid(state: ChunkedKV) -> int:
@@ -37,6 +57,32 @@ def valid(state: ChunkedKV) -> int:
 
 def _used(a: mx.array, n: int) -> mx.array:
     return a if a.shape[2] == n else a[..., :n, :]
+
+
+@problems.register
+def _(state: ChunkedKV, values: bool) -> list[str]:
+    found = (
+        static_int("chunk_size", state.chunk_size, 1)
+        + static_int("offset", state.offset)
+        + static_int("start_position", state.start_position)
+        + static_int("appended", state.appended)
+        + kv_pair_problems(state.keys, state.values)
+    )
+    if found:
+        return found
+    capacity = 0 if state.keys is None else int(state.keys.shape[2])
+    found += static_int("start_position", state.start_position, 0, state.offset)
+    if not found:
+        found += static_int("offset - start_position", valid(state), 0, capacity)
+        found += static_int("appended", state.appended, 0, valid(state))
+    prev = state.previous
+    if prev is not None:
+        if not isinstance(prev, ChunkedKV):
+            return [*found, f"previous: must be a ChunkedKV or None; got a {type(prev).__name__}"]
+        found += [f"previous.{m}" for m in problems(prev, values)]
+        if prev.chunk_size != state.chunk_size or prev.previous is not None or prev.appended:
+            found.append("previous: one state of the same chunk_size, with nothing pending")
+    return found
 
 
 @batch_size_of.register
@@ -96,7 +142,7 @@ def _(state: ChunkedKV, rows: tuple[int, ...]) -> ChunkedKV:
 def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
     states = [first, *rest]
     spans = [(s.start_position, s.offset) for s in states]
-    check(
+    require(
         len(set(spans)) == 1,
         ConfigMismatchError,
         f"merge: ChunkedKV states with (start_position, offset) {spans} cannot be batched: a "
@@ -121,13 +167,35 @@ def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
 
     keys = mx.concatenate([part(s, s.keys, k0) for s in states])
     values = mx.concatenate([part(s, s.values, v0) for s in states])
-    return ChunkedKV(
+    merged = ChunkedKV(
         keys,
         values,
         chunk_size=first.chunk_size,
         offset=first.offset,
         start_position=first.start_position,
     )
+    return _keeping_pending(merged, states)
+
+
+def _keeping_pending(merged: ChunkedKV, states: Sequence[ChunkedKV]) -> ChunkedKV:
+    """`merged` with the inputs' shared pending forward, and their records merged, when
+    those can be batched too (they can unless they sat at different positions)."""
+    n = shared_appended(states)
+    previous = [s.previous for s in states]
+    if not n:
+        return merged
+    if all(p is None for p in previous):
+        return replace(merged, appended=n)
+    if (
+        any(p is None for p in previous)
+        or len({(p.start_position, p.offset) for p in previous if p}) > 1
+    ):
+        return merged
+    held = [p for p in previous if p is not None and p.keys is not None]
+    if held and len(held) != len(previous):
+        return merged
+    record = merge_states(held[0], held[1:]) if held else previous[0]
+    return replace(merged, previous=record, appended=n)
 
 
 @extract_row.register
@@ -135,10 +203,15 @@ def _(state: ChunkedKV, row: int) -> ChunkedKV:
     if state.keys is None or state.values is None:
         return ChunkedKV(chunk_size=state.chunk_size)
     n = valid(state)
+    previous = state.previous
+    if previous is not None and previous.keys is not None:
+        previous = extract_row(previous, row)
     return ChunkedKV(
         mx.contiguous(state.keys[row : row + 1, :, :n]),
         mx.contiguous(state.values[row : row + 1, :, :n]),
+        previous,
         chunk_size=state.chunk_size,
         offset=state.offset,
         start_position=state.start_position,
+        appended=state.appended,
     )

@@ -7,18 +7,46 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._states import DenseKV
-from ._transforms import (
-    array_kv_config,
+from ._shared import array_kv_config, shared_appended
+from ._tree import State, host_ints, replace
+from ._validation import (
+    ints_within,
+    kv_pair_problems,
+    rows_problems,
+    static_bool,
+    static_int,
+)
+from .kinds import (
+    Capabilities,
     batch_size_of,
     commit_rows,
     config_of,
     extract_row,
     filter_rows,
     merge_states,
+    problems,
+    state_class,
+    static_field,
     take_rows,
 )
-from ._tree import host_ints, replace
+
+
+@state_class(Capabilities(trimmable=True, ragged_commit=True, batchable=True))
+class DenseKV(State):
+    """Keys and values in a capacity buffer; positions [0, length) are in use.
+
+    keys (B, H, capacity, Dk), values (B, H, capacity, Dv), left_padding (B,) int32 or None.
+    With left padding, row b holds its tokens at [left_padding[b], length) and its next
+    RoPE position is `length - left_padding[b]` (mlx-lm's BatchKVCache.offset).
+    `appended`: tokens the last forward added (the last `appended` positions of every row).
+    """
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    left_padding: mx.array | None = None
+    length: int = static_field(default=0)
+    appended: int = static_field(default=0)
+    concatenate: bool = static_field(default=False)  # unpadded form: ConcatenateKVCache
 
 
 def used(a: mx.array, length: int) -> mx.array:
@@ -28,6 +56,31 @@ def used(a: mx.array, length: int) -> mx.array:
 
 def padding_or_zeros(left_padding: mx.array | None, batch: int) -> mx.array:
     return left_padding if left_padding is not None else mx.zeros((batch,), mx.int32)
+
+
+@problems.register
+def _(state: DenseKV, values: bool) -> list[str]:
+    found = (
+        static_int("length", state.length)
+        + static_int("appended", state.appended)
+        + static_bool("concatenate", state.concatenate)
+        + kv_pair_problems(state.keys, state.values)
+    )
+    if found:
+        return found
+    keys = state.keys
+    capacity = 0 if keys is None else int(keys.shape[2])
+    batch = int(keys.shape[0]) if keys is not None else batch_size_of(state)
+    found += rows_problems("left_padding", state.left_padding, batch)
+    found += static_int("length", state.length, 0, capacity)
+    found += static_int("appended", state.appended, 0, state.length)
+    if state.concatenate and state.left_padding is not None:
+        found.append("concatenate: the ConcatenateKVCache form has no left_padding")
+    if values and not found:
+        # Before the first forward the padding only says how much of it will be padding.
+        top = state.length if keys is not None else 2**31 - 1
+        found += ints_within("left_padding", state.left_padding, 0, top)
+    return found
 
 
 @batch_size_of.register
@@ -126,6 +179,7 @@ def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
         values=kept.values[..., shared:, :],
         left_padding=kept.left_padding - shared,
         length=kept.length - shared,
+        appended=min(kept.appended, kept.length - shared),
     )
 
 
@@ -144,9 +198,10 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
                 for s, b in zip(states, batches, strict=True)
             ]
         )
+    appended = shared_appended(states)
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
-        return DenseKV(left_padding=left_padding)
+        return DenseKV(left_padding=left_padding, appended=appended)
 
     def aligned(arrays: list[mx.array | None]) -> mx.array:
         # One new buffer, each state's used positions written right-aligned into its rows
@@ -162,7 +217,7 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
 
     keys = aligned([s.keys for s in states])
     values = aligned([s.values for s in states])
-    return DenseKV(keys, values, left_padding, length=length)
+    return DenseKV(keys, values, left_padding, length=length, appended=appended)
 
 
 @extract_row.register
@@ -172,4 +227,11 @@ def _(state: DenseKV, row: int) -> DenseKV:
     start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
     keys = mx.contiguous(state.keys[row : row + 1, :, start : state.length])
     values = mx.contiguous(state.values[row : row + 1, :, start : state.length])
-    return DenseKV(keys, values, length=state.length - start, concatenate=state.concatenate)
+    length = state.length - start
+    return DenseKV(
+        keys,
+        values,
+        length=length,
+        appended=min(state.appended, length),
+        concatenate=state.concatenate,
+    )

@@ -27,11 +27,15 @@ class ShapeError(StateError):
     """Arrays whose shapes or dtypes do not fit the state they are meant for."""
 
 
+class TokenError(StateError):
+    """Token ids a model cannot take: not integers, an empty batch, or outside the vocabulary."""
+
+
 class FileFormatError(StateError):
     """A saved state that is truncated, tampered with, or of an unknown version."""
 
 
-def check(condition: bool, error: type[StateError], message: str) -> None:
+def require(condition: bool, error: type[StateError], message: str) -> None:
     """Raise `error(message)` unless `condition` holds."""
     if not condition:
         raise error(message)

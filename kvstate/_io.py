@@ -12,9 +12,11 @@ A kvstate file (format "kvstate", version 1) holds:
   where node is null | {"array": name} | {"tuple": [node, ...]} | {"list": [node, ...]} |
   {"class": name, "statics": {field: value}, "children": {field: node}}.
 
-Class names resolve through a fixed registry of kvstate's own state classes: nothing is
+Class names resolve through the registry of kinds (`kvstate.kinds.kinds()`): nothing is
 imported by name and nothing is unpickled. The checksums catch truncation, bit rot and
-hand edits; they are not a signature (whoever rewrites a file can recompute them).
+hand edits; they are not a signature (whoever rewrites a file can recompute them). Every
+loaded state then passes `kvstate.check` (mlx-lm files carry no checksums: the check catches
+what structure can tell, such as a length past its buffer, never a flipped value).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -30,29 +34,18 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ._errors import FileFormatError, StateError
+from ._errors import FileFormatError, ShapeError, StateError
 from ._io_mlx_lm import is_mlx_lm_file, load_mlx_lm
-from ._states import (
-    ChunkedKV,
-    DenseKV,
-    ListState,
-    ModelState,
-    QuantizedKV,
-    RecurrentState,
-    RotatingKV,
-)
 from ._tree import is_state, rebuild
+from ._validation import check
+from .kinds import kind_named, kinds
 
 FORMAT = "kvstate"
 VERSION = 1
 _FORMAT_KEY, _VERSION_KEY = "kvstate.format", "kvstate.version"
 _BODY_KEY, _SHA_KEY = "kvstate.body", "kvstate.sha256"
 
-# The only classes a file may name. A new state class is added here, by hand, on purpose.
-_CLASSES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (DenseKV, QuantizedKV, RotatingKV, ChunkedKV, RecurrentState, ListState, ModelState)
-}
+_MAX_DEPTH = 64  # nesting of a state description; real states nest a few levels
 # fmt: off
 _SAVABLE = (
     mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32, mx.int64,
@@ -116,6 +109,7 @@ def load(path: str | os.PathLike[str], *, return_metadata: bool = False) -> Any:
         state, user = _load_kvstate(path, meta)
     elif is_mlx_lm_file(meta):
         state, user = load_mlx_lm(path, meta, _load_arrays(path))
+        _check_loaded(path, state)
     else:
         raise FileFormatError(
             f"{path!r} is a safetensors file but not a kvstate file: its metadata has "
@@ -158,11 +152,11 @@ def _encode(node: Any, path: tuple[str, ...], arrays: dict[str, mx.array]) -> An
         tag = "tuple" if isinstance(node, tuple) else "list"
         return {tag: [_encode(c, (*path, str(i)), arrays) for i, c in enumerate(node)]}
     cls = type(node)
-    if _CLASSES.get(cls.__name__) is not cls:
+    if kind_named(cls.__name__) is not cls:
         where = ".".join(path) or "the root"
         raise StateError(
             f"save: cannot save a {cls.__module__}.{cls.__qualname__} at {where}; a file may "
-            f"hold arrays, None, tuples, lists and the kvstate states {sorted(_CLASSES)}"
+            f"hold arrays, None, tuples, lists and the registered kinds {_kind_names()}"
         )
     statics = {}
     for name in cls.__kvstate_statics__:
@@ -214,9 +208,20 @@ def _write_atomically(path: str, arrays: dict[str, mx.array], header: dict[str, 
 # ---------------------------------------------------------------------------- loading
 
 
+def _kind_names() -> list[str]:
+    return sorted(k.__name__ for k in kinds())
+
+
 def _read_header(path: str) -> dict[str, str]:
     """The safetensors metadata of `path`, after checking that the file is complete."""
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            # A named pipe or a device would block or never end: only regular files.
+            raise FileFormatError(
+                f"{path!r} is not a regular file (a directory, pipe or device); pass the path "
+                "of a file written by kvstate.save or mlx-lm's save_prompt_cache"
+            )
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -315,17 +320,33 @@ def _load_kvstate(path: str, meta: dict[str, str]) -> tuple[Any, dict[str, str]]
     arrays = _load_arrays(path)
     _check_arrays(path, arrays, specs)
     used: set[str] = set()
-    state = _decode(path, tree, arrays, used)
+    state = _decode(path, tree, arrays, used, 0)
     if used != set(arrays):
         raise FileFormatError(
             f"{path!r}: arrays {sorted(set(arrays) - used)} are in the file but not in the "
             "state description; the file is corrupt, save the state again"
         )
+    _check_loaded(path, state)
     return state, user
 
 
+def _check_loaded(path: str, tree: Any) -> None:
+    """Every state in the loaded tree passes `kvstate.check`."""
+    if isinstance(tree, (tuple, list)):
+        for t in tree:
+            _check_loaded(path, t)
+        return
+    if not is_state(tree):
+        return
+    try:
+        check(tree)
+    except ShapeError as e:
+        raise FileFormatError(f"{path!r} holds an inconsistent state: {e}") from None
+
+
 def _version(path: str, text: str | None) -> int:
-    if text is None or not text.isdigit() or int(text) < 1:
+    # ASCII digits, no leading zero: "01" or a full-width digit is not a version kvstate wrote.
+    if text is None or not re.fullmatch(r"[1-9][0-9]{0,8}", text):
         raise FileFormatError(
             f"{path!r}: {_VERSION_KEY} is {text!r}, expected a positive integer; "
             "the file is corrupt or was not written by kvstate.save"
@@ -373,7 +394,12 @@ def _check_arrays(path: str, arrays: dict[str, mx.array], specs: dict[str, Any])
         )
 
 
-def _decode(path: str, node: Any, arrays: dict[str, mx.array], used: set[str]) -> Any:
+def _decode(path: str, node: Any, arrays: dict[str, mx.array], used: set[str], depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise FileFormatError(
+            f"{path!r}: the state description nests deeper than {_MAX_DEPTH} levels; the file "
+            "is corrupt or was not written by kvstate.save"
+        )
     if node is None:
         return None
     if isinstance(node, dict) and set(node) == {"array"}:
@@ -386,23 +412,24 @@ def _decode(path: str, node: Any, arrays: dict[str, mx.array], used: set[str]) -
         used.add(name)
         return arrays[name]
     if isinstance(node, dict) and len(node) == 1 and isinstance(node.get("tuple"), list):
-        return tuple(_decode(path, c, arrays, used) for c in node["tuple"])
+        return tuple(_decode(path, c, arrays, used, depth + 1) for c in node["tuple"])
     if isinstance(node, dict) and len(node) == 1 and isinstance(node.get("list"), list):
-        return [_decode(path, c, arrays, used) for c in node["list"]]
+        return [_decode(path, c, arrays, used, depth + 1) for c in node["list"]]
     if isinstance(node, dict) and set(node) == {"class", "statics", "children"}:
-        return _decode_state(path, node, arrays, used)
+        return _decode_state(path, node, arrays, used, depth)
     raise FileFormatError(f"{path!r}: unrecognised node in the state description: {node!r:.200}")
 
 
 def _decode_state(
-    path: str, node: dict[str, Any], arrays: dict[str, mx.array], used: set[str]
+    path: str, node: dict[str, Any], arrays: dict[str, mx.array], used: set[str], depth: int
 ) -> Any:
     name, statics, kids = node["class"], node["statics"], node["children"]
-    cls = _CLASSES.get(name) if isinstance(name, str) else None
+    cls = kind_named(name) if isinstance(name, str) else None
     if cls is None:
         raise FileFormatError(
             f"{path!r} names state class {name!r}, which this kvstate does not know "
-            f"(known: {sorted(_CLASSES)}); it was written by a newer kvstate: upgrade to load it"
+            f"(known: {_kind_names()}); it was written by a newer kvstate (upgrade to load it) or "
+            "holds a kind whose module is not imported yet (import it first)"
         )
     static_names = cls.__kvstate_statics__  # type: ignore[attr-defined]
     child_names = cls.__kvstate_children__  # type: ignore[attr-defined]
@@ -422,7 +449,7 @@ def _decode_state(
                 f"{path!r}: {name}.{field.name} is {statics[field.name]!r}, not a "
                 f"{type(field.default).__name__}; the file is corrupt"
             )
-    child_values = tuple(_decode(path, kids[n], arrays, used) for n in child_names)
+    child_values = tuple(_decode(path, kids[n], arrays, used, depth + 1) for n in child_names)
     return rebuild(cls, child_values, tuple(statics[n] for n in static_names))
 
 

@@ -7,6 +7,8 @@ small arrays and listed in the metadata. The metadata is `tree_flatten([user, cl
   "1.<i>"    layer i's cache class name
   "2.0" = "" then "2.<j>.0" a tensor name and "2.<j>.1" its kind: scalar | string | none.
 Each class name maps to the state `kvstate.adapters.from_mlx_lm` builds for that class.
+Nothing here is trusted: paths are bounded in depth and index (a renamed tensor must not make
+a billion-entry list), and `load` checks every state it returns.
 """
 
 from __future__ import annotations
@@ -16,18 +18,16 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from ._chunked import ChunkedKV
+from ._composite import ListState, ModelState
+from ._dense import DenseKV
 from ._errors import FileFormatError
-from ._states import (
-    ChunkedKV,
-    DenseKV,
-    ListState,
-    ModelState,
-    QuantizedKV,
-    RecurrentState,
-    RotatingKV,
-)
+from ._quantized import QuantizedKV
+from ._recurrent import RecurrentState
+from ._rotating import RotatingKV
 
 Tree = Any  # nested lists of mx.array, int, float, bool, str, None
+_MAX_DEPTH = 8  # mlx-lm's deepest path: layer . CacheList part . (state, class) . entry . array
 
 
 def is_mlx_lm_file(meta: dict[str, str]) -> bool:
@@ -43,7 +43,7 @@ def load_mlx_lm(
     values: dict[str, Any] = dict(arrays)
     for name, kind in scalars.items():
         values[name] = _scalar(path, name, kind, arrays.get(name))
-    tree = _unflatten(path, values)
+    tree = _unflatten(path, values, len(classes))
     if not isinstance(tree, list) or len(tree) > len(classes):
         raise FileFormatError(
             f"{path!r}: the tensors describe {len(tree) if isinstance(tree, list) else '?'} "
@@ -67,7 +67,7 @@ def _split_metadata(
         head, _, rest = key.partition(".")
         if head == "0":
             user[rest] = value
-        elif head == "1" and rest.isdigit():
+        elif head == "1" and rest.isascii() and rest.isdigit() and len(rest) < 10:
             classes[int(rest)] = value
         elif head == "2" and rest != "0":
             j, _, part = rest.partition(".")
@@ -102,24 +102,36 @@ def _scalar(path: str, name: str, kind: str, a: mx.array | None) -> Any:
     )
 
 
-def _unflatten(path: str, values: dict[str, Any]) -> Tree:
-    """Dotted integer paths -> nested lists; gaps become empty lists (mlx-lm's empty states)."""
+def _unflatten(path: str, values: dict[str, Any], layers: int) -> Tree:
+    """Dotted integer paths -> nested lists; gaps become empty lists (mlx-lm's empty states).
+
+    A layer index is below `layers`; an index inside a layer is below the number of entries
+    in the file (a list that long needs at least that many), so no path makes a huge list.
+    """
     root: dict[int, Any] = {}
+    limit = len(values) + layers
     for name, value in values.items():
         keys = name.split(".")
-        if not all(k.isdigit() for k in keys):
+        if not all(k.isascii() and k.isdigit() for k in keys) or len(keys) > _MAX_DEPTH:
             raise FileFormatError(
-                f"{path!r}: tensor name {name!r} is not an mlx-lm prompt-cache path (dotted "
-                "integers); the file was not written by save_prompt_cache"
+                f"{path!r}: tensor name {name!r:.80} is not an mlx-lm prompt-cache path (at "
+                f"most {_MAX_DEPTH} dotted integers); the file was not written by "
+                "save_prompt_cache"
+            )
+        indices = [int(k) for k in keys]
+        if indices[0] >= layers or max(indices) >= limit:
+            raise FileFormatError(
+                f"{path!r}: tensor name {name!r:.80} points past the file's {layers} layers "
+                f"or {len(values)} entries; the file is corrupt"
             )
         node = root
-        for k in keys[:-1]:
-            node = node.setdefault(int(k), {})
+        for k in indices[:-1]:
+            node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise FileFormatError(f"{path!r}: tensor {name!r} sits inside another tensor")
-        if int(keys[-1]) in node:
+        if indices[-1] in node:
             raise FileFormatError(f"{path!r}: tensor {name!r} clashes with another path")
-        node[int(keys[-1])] = value
+        node[indices[-1]] = value
     return _as_lists(root)
 
 
@@ -277,7 +289,7 @@ _CLASSES: dict[str, tuple[int | None, Callable[[_Reader, Tree], Any]]] = {
     "RotatingKVCache": (6, _rotating),
     "BatchRotatingKVCache": (8, _batch_rotating),
     "QuantizedKVCache": (5, _quantized),
-    # kvstate.adapters.to_mlx_lm's subclass (fixed packing); save_prompt_cache records its name.
+    # Written by kvstate 0.1's adapters (a subclass name mlx-lm cannot load); still read.
     "PackedQuantizedKVCache": (5, _quantized),
     "ChunkedKVCache": (5, _chunked),
     "ArraysCache": (3, _arrays),

@@ -16,20 +16,44 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import used
-from ._errors import ConfigMismatchError, ShapeError, StateError, check
-from ._states import DenseKV, ListState, ModelState, Quantized, QuantizedKV, RotatingKV
-from ._transforms import (
+from ._dense import DenseKV, used
+from ._errors import ConfigMismatchError, ShapeError, StateError, require
+from ._rotating import RotatingKV
+from ._shared import kv_config, shared_appended, uniform_count
+from ._tree import State, replace
+from ._validation import array_problems, is_int, static_int
+from .kinds import (
+    Capabilities,
+    Composite,
     batch_size_of,
     commit_rows,
     config_of,
     extract_row,
-    kv_config,
+    fit_config_of,
     merge_states,
+    problems,
+    state_class,
+    static_field,
     take_rows,
-    uniform_count,
+    with_parts,
 )
-from ._tree import replace
+
+Quantized = tuple[mx.array, mx.array, mx.array]
+"""(packed uint32 (B, H, T, D*bits//32), scales (B, H, T, D//group), biases (same))."""
+
+
+@state_class(Capabilities(trimmable=True, ragged_commit=False, batchable=False))
+class QuantizedKV(State):
+    """Quantized keys and values (`mx.quantize` triples) in a capacity buffer; positions
+    [0, length) are in use, by every row (no left padding)."""
+
+    keys: Quantized | None = None
+    values: Quantized | None = None
+    length: int = static_field(default=0)
+    group_size: int = static_field(default=64)
+    bits: int = static_field(default=8)
+    appended: int = static_field(default=0)
+
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -52,6 +76,65 @@ def used_q(q: Quantized, length: int) -> Quantized:
 
 def _map_q(fn: Any, q: Quantized) -> Quantized:
     return (fn(q[0]), fn(q[1]), fn(q[2]))
+
+
+@problems.register
+def _(state: QuantizedKV, values: bool) -> list[str]:
+    found = (
+        static_int("length", state.length)
+        + static_int("appended", state.appended)
+        + static_int("bits", state.bits)
+        + static_int("group_size", state.group_size, 1)
+    )
+    if found:
+        return found
+    if state.bits not in BITS:
+        found.append(f"bits: {state.bits} is not one of {list(BITS)}")
+    if (state.keys is None) != (state.values is None):
+        return [*found, "keys and values must both be triples or both None"]
+    capacity = 0
+    if state.keys is not None and state.values is not None:
+        triples = {"keys": state.keys, "values": state.values}
+        for name, q in triples.items():
+            found += _triple_problems(name, q, state)
+        if found:
+            return found
+        shapes = {tuple(a.shape[:3]) for q in triples.values() for a in q}
+        if len(shapes) > 1:
+            return [f"keys and values disagree in batch, heads or capacity: {sorted(shapes)}"]
+        capacity = int(state.keys[0].shape[2])
+    found += static_int("length", state.length, 0, capacity)
+    found += static_int("appended", state.appended, 0, state.length)
+    return found
+
+
+def _triple_problems(name: str, q: Any, state: QuantizedKV) -> list[str]:
+    if not (isinstance(q, tuple) and len(q) == 3):
+        return [f"{name}: must be a (packed, scales, biases) tuple; got {type(q).__name__}"]
+    found = [m for i, a in enumerate(q) for m in array_problems(f"{name}[{i}]", a, 4)]
+    if found:
+        return found
+    packed, scales, biases = q
+    if packed.dtype != mx.uint32:
+        found.append(f"{name}[0]: packed data must be uint32; got {packed.dtype}")
+    if scales.shape != biases.shape or not mx.issubdtype(scales.dtype, mx.floating):
+        found.append(
+            f"{name}: scales {scales.shape} and biases {biases.shape} must be float, one shape"
+        )
+    dim = int(scales.shape[3]) * state.group_size
+    if not found and packed.shape[3] != packed_width(dim, state.bits):
+        found.append(
+            f"{name}[0]: {packed.shape[3]} words per row, but {scales.shape[3]} groups of "
+            f"{state.group_size} at {state.bits} bits pack into {packed_width(dim, state.bits)}"
+        )
+    return found
+
+
+@fit_config_of.register
+def _(state: QuantizedKV) -> dict[str, Any]:
+    # A quantized layer stands in for the dense one a model's cache factory makes.
+    dense = config_of(state)
+    return kv_config("DenseKV", None, dense["kv_heads"], dense["key_dim"], dense["value_dim"])
 
 
 @batch_size_of.register
@@ -102,7 +185,7 @@ def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
 def _(first: QuantizedKV, rest: Sequence[QuantizedKV]) -> QuantizedKV:
     states = [first, *rest]
     lengths = [s.length for s in states]
-    check(
+    require(
         len(set(lengths)) == 1,
         ConfigMismatchError,
         f"merge: QuantizedKV states of lengths {lengths} cannot be batched: a QuantizedKV has "
@@ -134,6 +217,7 @@ def _(first: QuantizedKV, rest: Sequence[QuantizedKV]) -> QuantizedKV:
         length=length,
         group_size=first.group_size,
         bits=first.bits,
+        appended=shared_appended(states),
     )
 
 
@@ -152,6 +236,7 @@ def _(state: QuantizedKV, row: int) -> QuantizedKV:
         length=length,
         group_size=state.group_size,
         bits=state.bits,
+        appended=state.appended,
     )
 
 
@@ -167,20 +252,21 @@ def quantize(state: Any, bits: int = 8, group_size: int = 64) -> Any:
     only the caches that have `to_quantized`), except sliding windows, which mlx-lm cannot
     quantize either and which raise here.
     """
-    check(
-        bits in BITS,
+    require(
+        is_int(bits) and bits in BITS,
         ConfigMismatchError,
-        f"quantize: bits={bits!r} is not supported; use one of {list(BITS)}",
+        f"quantize: bits={bits!r} is not supported; use an int in {list(BITS)}",
     )
-    check(
-        group_size in GROUP_SIZES,
+    require(
+        is_int(group_size) and group_size in GROUP_SIZES,
         ConfigMismatchError,
-        f"quantize: group_size={group_size!r} is not supported; use one of {list(GROUP_SIZES)}",
+        f"quantize: group_size={group_size!r} is not supported; use an int in {list(GROUP_SIZES)}",
     )
+    bits, group_size = int(bits), int(group_size)
     if isinstance(state, DenseKV):
         return _quantize_dense(state, bits, group_size)
-    check(
-        isinstance(state, (ModelState, ListState)),
+    require(
+        isinstance(state, Composite),
         StateError,
         f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
         f"{type(state).__name__}",
@@ -189,13 +275,11 @@ def quantize(state: Any, bits: int = 8, group_size: int = 64) -> Any:
 
 
 def _quantize_layers(state: Any, bits: int, group_size: int) -> Any:
-    if isinstance(state, ModelState):
-        return ModelState(tuple(_quantize_layers(s, bits, group_size) for s in state.layers))
-    if isinstance(state, ListState):
-        return ListState(tuple(_quantize_layers(s, bits, group_size) for s in state.states))
+    if isinstance(state, Composite):
+        return with_parts(state, tuple(_quantize_layers(s, bits, group_size) for s in state.parts))
     if isinstance(state, DenseKV):
         return _quantize_dense(state, bits, group_size)
-    check(
+    require(
         not isinstance(state, RotatingKV),
         ConfigMismatchError,
         "quantize: a RotatingKV (sliding window) cannot be quantized (mlx-lm has no "
@@ -205,7 +289,7 @@ def _quantize_layers(state: Any, bits: int, group_size: int) -> Any:
 
 
 def _quantize_dense(state: DenseKV, bits: int, group_size: int) -> QuantizedKV:
-    check(
+    require(
         state.left_padding is None,
         ConfigMismatchError,
         "quantize: this DenseKV is a left-padded batch, but a QuantizedKV has no left padding "
@@ -218,7 +302,7 @@ def _quantize_dense(state: DenseKV, bits: int, group_size: int) -> QuantizedKV:
         )
     dims = {"keys": int(state.keys.shape[-1]), "values": int(state.values.shape[-1])}
     bad = {name: d for name, d in dims.items() if d % group_size}
-    check(
+    require(
         not bad,
         ShapeError,
         f"quantize: head dims {bad} are not multiples of group_size={group_size}; "

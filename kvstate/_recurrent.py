@@ -18,16 +18,39 @@ from typing import Any
 import mlx.core as mx
 
 from ._errors import CheckpointRequiredError, ShapeError
-from ._states import RecurrentState
-from ._transforms import (
+from ._shared import shared_appended
+from ._tree import State
+from ._validation import array_problems, rows_problems, static_int
+from .kinds import (
+    Capabilities,
     batch_size_of,
     commit_rows,
     config_of,
     extend_states,
     extract_row,
     merge_states,
+    problems,
+    state_class,
+    static_field,
     take_rows,
 )
+
+
+@state_class(
+    Capabilities(trimmable=False, ragged_commit=True, batchable=True, needs_checkpoints=True)
+)
+class RecurrentState(State):
+    """Fixed-size recurrent arrays (conv window, SSM / linear-attention state), each (B, ...).
+
+    Not trimmable: `commit_prefix` needs the checkpoints a capturing forward returns.
+    `left_padding` / `lengths` (B,) mirror mlx-lm's ArraysCache batch bookkeeping.
+    """
+
+    arrays: tuple[mx.array | None, ...] = ()
+    left_padding: mx.array | None = None
+    lengths: mx.array | None = None
+    appended: int = static_field(default=0)
+
 
 Checkpoints = tuple[mx.array | None, ...]
 """One entry per `RecurrentState.arrays` entry: (B, K+1, *array.shape[1:]) or None."""
@@ -37,6 +60,28 @@ def is_empty(state: RecurrentState) -> bool:
     """Nothing written yet. (ArraysCache.empty() looks at the first array only, so its merge
     would drop the other arrays of a state whose first one is None; every array counts here.)"""
     return all(a is None for a in state.arrays)
+
+
+@problems.register
+def _(state: RecurrentState, values: bool) -> list[str]:
+    found = static_int("appended", state.appended)
+    if not isinstance(state.arrays, tuple):
+        return [*found, f"arrays: must be a tuple; got a {type(state.arrays).__name__}"]
+    arrays = [(i, a) for i, a in enumerate(state.arrays) if a is not None]
+    for i, a in arrays:
+        found += array_problems(f"arrays[{i}]", a)
+        if not found and a.ndim < 1:
+            found.append(f"arrays[{i}]: needs a leading batch axis; got a scalar")
+    if found:
+        return found
+    batches = {int(a.shape[0]) for _, a in arrays}
+    if len(batches) > 1:
+        shapes = [f"[{i}] {tuple(a.shape)}" for i, a in arrays]
+        return [f"arrays: batch sizes {sorted(batches)} differ ({', '.join(shapes)})"]
+    batch = batch_size_of(state)
+    found += rows_problems("left_padding", state.left_padding, batch)
+    found += rows_problems("lengths", state.lengths, batch)
+    return found
 
 
 @batch_size_of.register
@@ -110,13 +155,17 @@ def _(first: RecurrentState, rest: Sequence[RecurrentState]) -> RecurrentState:
             s.left_padding if s.left_padding is not None else mx.zeros((b,), mx.int32)
             for s, b in zip(states, batches, strict=True)
         ]
-        return RecurrentState((None,) * len(first.arrays), left_padding=mx.concatenate(paddings))
+        return RecurrentState(
+            (None,) * len(first.arrays),
+            left_padding=mx.concatenate(paddings),
+            appended=shared_appended(states),
+        )
     # Otherwise every array is stacked (zeros for states that lack it); ArraysCache.merge
     # drops left_padding and lengths: a written recurrent state has no positions to pad.
     arrays = tuple(
         _concat_rows([s.arrays[e] for s in states], batches) for e in range(len(first.arrays))
     )
-    return RecurrentState(arrays)
+    return RecurrentState(arrays, appended=shared_appended(states))
 
 
 @extend_states.register
@@ -128,6 +177,7 @@ def _(a: RecurrentState, b: RecurrentState) -> RecurrentState:
         arrays,
         _concat_rows([a.left_padding, b.left_padding], batches),
         _concat_rows([a.lengths, b.lengths], batches),
+        shared_appended([a, b]),
     )
     return _keeping_rows(extended, sum(batches))
 
@@ -135,7 +185,8 @@ def _(a: RecurrentState, b: RecurrentState) -> RecurrentState:
 @extract_row.register
 def _(state: RecurrentState, row: int) -> RecurrentState:
     # ArraysCache.extract: the row's arrays, no bookkeeping.
-    return RecurrentState(tuple(None if a is None else a[row : row + 1] for a in state.arrays))
+    arrays = tuple(None if a is None else a[row : row + 1] for a in state.arrays)
+    return RecurrentState(arrays, appended=state.appended)
 
 
 def _check_checkpoints(state: RecurrentState, checkpoints: Any) -> Checkpoints:

@@ -17,26 +17,57 @@ temporal order, `index` = their count.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import mlx.core as mx
 
 from ._errors import CommitError, ConfigMismatchError
-from ._states import RotatingKV
-from ._transforms import (
-    array_kv_config,
+from ._shared import array_kv_config, shared_appended
+from ._tree import State, host_ints, replace
+from ._validation import kv_pair_problems, rows_problems, static_bool, static_int
+from .kinds import (
+    Capabilities,
     batch_size_of,
+    capabilities_of,
     commit_rows,
     config_of,
     extend_states,
     extract_row,
     merge_states,
+    problems,
     record_forward,
+    state_class,
+    static_field,
     take_rows,
 )
-from ._tree import host_ints, replace
+
+
+@state_class(Capabilities(trimmable=True, ragged_commit=True, batchable=True))
+class RotatingKV(State):
+    """A sliding window: a ring buffer of at most `max_size` entries (more right after a
+    multi-token forward, exactly like mlx-lm), the first `keep` of which never rotate out.
+
+    keys/values (B, H, L, D). `offset` counts every token seen (the batched form's `_offset`),
+    `index` is the ring's write index, `rotated` (batched form) says the ring has wrapped.
+    The batched form also carries per-row `offsets` (B,) (RoPE positions). `previous` is the
+    window before the last multi-token forward, which may have pushed entries out: an exact
+    rollback needs them back.
+    """
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    left_padding: mx.array | None = None
+    offsets: mx.array | None = None
+    previous: RotatingKV | None = None
+    max_size: int = static_field(default=0)
+    keep: int = static_field(default=0)
+    offset: int = static_field(default=0)
+    index: int = static_field(default=0)
+    rotated: bool = static_field(default=False)
+    appended: int = static_field(default=0)
+
 
 KV = tuple[mx.array, mx.array]
 
@@ -72,6 +103,75 @@ def temporal(state: RotatingKV) -> KV | None:
 
         return order(k), order(v)
     return k[..., :idx, :], v[..., :idx, :]
+
+
+@problems.register
+def _(state: RotatingKV, values: bool) -> list[str]:
+    found = (
+        static_int("max_size", state.max_size, 1)
+        + static_int("keep", state.keep)
+        + static_int("offset", state.offset)
+        + static_int("index", state.index)
+        + static_bool("rotated", state.rotated)
+        + static_int("appended", state.appended)
+        + kv_pair_problems(state.keys, state.values)
+    )
+    if found:
+        return found
+    found += static_int("keep", state.keep, 0, state.max_size)
+    found += static_int("appended", state.appended, 0, state.offset)
+    capacity = 0 if state.keys is None else int(state.keys.shape[2])
+    found += static_int("index", state.index, 0, capacity)
+    if _batched(state):
+        batch = batch_size_of(state)
+        if state.keys is not None and state.keys.shape[0] != batch:
+            found.append(f"keys: batch {state.keys.shape[0]}, but left_padding has {batch} rows")
+        found += rows_problems("offsets", state.offsets, batch)
+        if state.offsets is None:
+            found.append("offsets: the batched form (left_padding set) needs per-row offsets")
+        if state.keep:
+            found.append(f"keep: {state.keep}, but the batched form has no keep prefix")
+    elif state.offsets is not None or state.rotated:
+        found.append("offsets / rotated: only the batched form (left_padding set) has them")
+    if state.previous is not None:
+        found += _previous_problems(state, state.previous, values)
+    return found
+
+
+def _previous_problems(state: RotatingKV, prev: Any, values: bool) -> list[str]:
+    if not isinstance(prev, RotatingKV):
+        return [f"previous: must be a RotatingKV or None; got a {type(prev).__name__}"]
+    found = [f"previous.{m}" for m in problems(prev, values)]
+    if (prev.max_size, prev.keep) != (state.max_size, state.keep):
+        found.append("previous: max_size and keep must be the state's own")
+    if prev.previous is not None or prev.appended:
+        found.append("previous: holds one window, with no record or pending forward of its own")
+    return found
+
+
+@capabilities_of.register
+def _(state: RotatingKV) -> Capabilities:
+    # A batched window has no keep prefix, so one with keep takes neither ragged counts nor
+    # a batch; a one-token forward that overwrote a slot cannot be undone.
+    return Capabilities(
+        trimmable=True,
+        ragged_commit=not state.keep,
+        batchable=not state.keep,
+        can_roll_back=not _overwrote_slot(state),
+    )
+
+
+def _overwrote_slot(state: RotatingKV) -> bool:
+    """The last forward was one token, written over an entry the window still needed."""
+    if state.appended != 1 or state.previous is not None:
+        return False
+    return not _slot_was_free(state)
+
+
+def _slot_was_free(state: RotatingKV) -> bool:
+    """After a one-token forward: the write went to an unused slot (all the window is there)."""
+    overwrote = state.rotated if _batched(state) else state.offset > state.max_size
+    return not overwrote and state.index >= 1 and (_batched(state) or state.index == state.offset)
 
 
 @batch_size_of.register
@@ -156,13 +256,7 @@ def _history(state: RotatingKV, counts: tuple[int, ...]) -> _History:
             prev.offsets,
             prev.offset,
         )
-    overwrote = state.rotated if _batched(state) else state.offset > state.max_size
-    if (
-        n == 1
-        and not overwrote
-        and state.index >= 1
-        and (_batched(state) or state.index == state.offset)
-    ):
+    if n == 1 and _slot_was_free(state):
         # The 1-token write went to an unused slot: the window before it is still all there.
         i = state.index
         return _History(
@@ -184,7 +278,7 @@ def _history(state: RotatingKV, counts: tuple[int, ...]) -> _History:
     raise CommitError(
         f"commit_prefix: this RotatingKV says its last forward appended {n} tokens but holds "
         "no record of the window before it (`previous` is None); commit states that "
-        "kvstate.adapters.wrap returned, or build them with record_forward"
+        "kvstate.adapters.wrap returned, or build them with kvstate.kinds.record_forward"
     )
 
 
@@ -218,15 +312,9 @@ def _commit_uniform(state: RotatingKV, h: _History, accepted: int) -> RotatingKV
         h.left_padding - cut,
         h.offsets + accepted,
         max_size=max_size,
-        offset=_step_offset(length, max_size, h.offset + accepted),
+        offset=max(length, h.offset + accepted),
         index=length,
     )
-
-
-def _step_offset(length: int, max_size: int, advanced: int) -> int:
-    # BatchRotatingKVCache grows its buffer from `_offset` and sizes its masks from it, so a
-    # window that is not full must have `_offset` == its length.
-    return length if length < max_size else max(length, advanced)
 
 
 def _commit_ragged(state: RotatingKV, h: _History, counts: tuple[int, ...]) -> RotatingKV:
@@ -256,7 +344,7 @@ def _commit_ragged(state: RotatingKV, h: _History, counts: tuple[int, ...]) -> R
         (length - kept).astype(mx.int32),
         offsets0 + accepted,
         max_size=state.max_size,
-        offset=_step_offset(length, state.max_size, h.offset + most),
+        offset=max(length, h.offset + most),
         index=length,
     )
 
@@ -304,19 +392,48 @@ def _require_no_keep(state: RotatingKV, what: str) -> None:
 
 @merge_states.register
 def _(first: RotatingKV, rest: Sequence[RotatingKV]) -> RotatingKV:
-    states = [first, *rest]
     _require_no_keep(first, "merge")
+    return _keeping_pending([first, *rest], _merge_windows)
+
+
+@extend_states.register
+def _(a: RotatingKV, b: RotatingKV) -> RotatingKV:
+    _require_no_keep(a, "extend")
+    return _keeping_pending([a, b], _merge_windows)
+
+
+def _merge_windows(states: Sequence[RotatingKV]) -> RotatingKV:
     if not any(_batched(s) for s in states):
         return _merge_unpadded(states)
     batched = [s if _batched(s) else _merge_unpadded([s]) for s in states]
     return functools.reduce(_extend_batched, batched)
 
 
-@extend_states.register
-def _(a: RotatingKV, b: RotatingKV) -> RotatingKV:
-    _require_no_keep(a, "extend")
-    as_batched = [s if _batched(s) else _merge_unpadded([s]) for s in (a, b)]
-    return _extend_batched(*as_batched)
+def _keeping_pending(
+    states: Sequence[RotatingKV], combine: Callable[[Sequence[RotatingKV]], RotatingKV]
+) -> RotatingKV:
+    """`combine(states)` with their shared pending forward, if it survives the combination.
+
+    Every combined layout keeps each row's newest entries last, so the forward's n entries
+    stay the last n; the windows before it are combined the same way. A one-token forward
+    needs no record if its slot was free; one that overwrote a slot cannot stay pending (the
+    combined, unrolled window would no longer show that it did), and a forward longer than
+    the window would lose its own entries to the combination's trim.
+    """
+    out = combine(states)
+    n = shared_appended(states)
+    if not n or n > states[0].max_size or not all(_slot_was_free_or_recorded(s) for s in states):
+        return out
+    if n == 1:
+        return replace(out, appended=1)
+    previous = [s.previous for s in states]
+    if any(p is None for p in previous):
+        return out
+    return replace(out, previous=combine(previous), appended=n)  # type: ignore[arg-type]
+
+
+def _slot_was_free_or_recorded(state: RotatingKV) -> bool:
+    return state.previous is not None or (state.appended == 1 and _slot_was_free(state))
 
 
 def _merge_unpadded(states: Sequence[RotatingKV]) -> RotatingKV:
@@ -422,6 +539,23 @@ def _extend_batched(a: RotatingKV, b: RotatingKV) -> RotatingKV:
 
 @extract_row.register
 def _(state: RotatingKV, row: int) -> RotatingKV:
+    # The row's window, unrolled, still shows whether a one-token forward overwrote an entry
+    # (its offset passes max_size only then), so the pending forward can stay.
+    out = _extract_window(state, row)
+    n = state.appended
+    if not n or out.index < n:
+        return out
+    if state.previous is None:
+        return replace(out, appended=n)
+    prev = state.previous
+    # A right-padded prompt forward advanced its rows by less than n: no prefix exists.
+    batched = state.offsets is not None and prev.offsets is not None
+    if batched and host_ints(state.offsets)[row] - host_ints(prev.offsets)[row] != n:  # type: ignore[arg-type]
+        return out
+    return replace(out, previous=_extract_window(prev, row), appended=n)
+
+
+def _extract_window(state: RotatingKV, row: int) -> RotatingKV:
     if state.keys is None or state.values is None:
         return RotatingKV(max_size=state.max_size, keep=state.keep)
     if not _batched(state):

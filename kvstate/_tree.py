@@ -1,9 +1,9 @@
 """Pytree machinery for frozen attrs states.
 
-A state class is an `attrs.frozen(eq=False)` class whose fields are either *children*
-(`mx.array`, `None`, a tuple of children, or another state) or *statics* (hashable Python
-scalars marked with `static_field()`). The split is computed once, when the class is made,
-so flatten/unflatten never inspect metadata on the hot path.
+A state class is an `attrs.frozen(eq=False)` subclass of `State` whose fields are either
+*children* (`mx.array`, `None`, a tuple of children, or another state) or *statics*
+(hashable Python scalars marked with `static_field()`). The split is computed once, when the
+class is made, so flatten/unflatten never inspect metadata on the hot path.
 
 `mx.eval` silently skips attrs objects and `mx.compile` rejects them, so every boundary with
 MLX goes through `tree_flatten` (a list of arrays plus a hashable `TreeDef`).
@@ -11,15 +11,26 @@ MLX goes through `tree_flatten` (a list of arrays plus a hashable `TreeDef`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, cast, dataclass_transform
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar, cast
 
 import attrs
 import mlx.core as mx
 
+from ._errors import ShapeError, StateError
+
 _STATIC = "kvstate.static"
 
 T = TypeVar("T")
+
+
+class State:
+    """The base class of every state class (see `kvstate.kinds.state_class`)."""
+
+    __slots__ = ()
+    __kvstate_children__: ClassVar[tuple[str, ...]] = ()
+    __kvstate_statics__: ClassVar[tuple[str, ...]] = ()
+    __kvstate_fields__: ClassVar[tuple[str, ...]] = ()
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -29,15 +40,14 @@ def static_field(**kwargs: Any) -> Any:
     return attrs.field(metadata=metadata, **kwargs)
 
 
-@dataclass_transform(frozen_default=True, field_specifiers=(attrs.field, static_field))
-def state_class(cls: type[T]) -> type[T]:
-    """Make `cls` a frozen state pytree: `attrs.frozen(eq=False)` plus its child/static split."""
-    cls = attrs.frozen(eq=False)(cls)
-    fields = attrs.fields(cls)  # type: ignore[arg-type]
-    cls.__kvstate_children__ = tuple(f.name for f in fields if not f.metadata.get(_STATIC))  # type: ignore[attr-defined]
-    cls.__kvstate_statics__ = tuple(f.name for f in fields if f.metadata.get(_STATIC))  # type: ignore[attr-defined]
-    cls.__kvstate_fields__ = tuple(f.name for f in fields)  # type: ignore[attr-defined]
-    return cls
+def frozen_state(cls: type[T]) -> type[T]:
+    """`attrs.frozen(eq=False)` plus the child/static split, computed once."""
+    made = attrs.frozen(eq=False, repr=False)(cls)
+    fields = attrs.fields(made)  # type: ignore[arg-type]
+    made.__kvstate_children__ = tuple(f.name for f in fields if not f.metadata.get(_STATIC))  # type: ignore[attr-defined]
+    made.__kvstate_statics__ = tuple(f.name for f in fields if f.metadata.get(_STATIC))  # type: ignore[attr-defined]
+    made.__kvstate_fields__ = tuple(f.name for f in fields)  # type: ignore[attr-defined]
+    return made
 
 
 def replace(state: T, **changes: Any) -> T:
@@ -56,8 +66,8 @@ def host_ints(a: mx.array) -> list[int]:
 
 
 def is_state(x: object) -> bool:
-    """True for instances of classes made with `state_class`."""
-    return hasattr(type(x), "__kvstate_children__")
+    """True for instances of state classes."""
+    return isinstance(x, State)
 
 
 def children(state: Any) -> tuple[Any, ...]:
@@ -91,7 +101,7 @@ def _flatten(node: Any, leaves: list[mx.array]) -> TreeDef:
         return (tag, tuple(_flatten(c, leaves) for c in node))
     if is_state(node):
         return (type(node), statics(node), tuple(_flatten(c, leaves) for c in children(node)))
-    raise TypeError(
+    raise StateError(
         f"cannot flatten a {type(node).__name__}: state children must be mx.array, None, "
         "tuples of those, or kvstate states"
     )
@@ -104,26 +114,72 @@ def tree_flatten(tree: Any) -> tuple[list[mx.array], TreeDef]:
     return leaves, treedef
 
 
-def _unflatten(treedef: TreeDef, leaves: Iterator[mx.array]) -> Any:
+def count_leaves(treedef: TreeDef) -> int:
+    """The number of arrays `treedef` describes; StateError if it is not a TreeDef."""
     if treedef == _LEAF:
-        return next(leaves)
+        return 1
+    if treedef is None:
+        return 0
+    sequence = isinstance(treedef, tuple) and len(treedef) == 2 and treedef[0] in ("t", "l")
+    if sequence and isinstance(treedef[1], tuple):
+        return sum(count_leaves(d) for d in treedef[1])
+    if isinstance(treedef, tuple) and len(treedef) == 3:
+        cls, static_values, child_defs = treedef
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, State)
+            and isinstance(static_values, tuple)
+            and len(static_values) == len(cls.__kvstate_statics__)
+            and isinstance(child_defs, tuple)
+            and len(child_defs) == len(cls.__kvstate_children__)
+        ):
+            return sum(count_leaves(d) for d in child_defs)
+    raise StateError(
+        f"not a kvstate TreeDef: {treedef!r:.200}; pass the TreeDef that kvstate.tree_flatten "
+        "returned"
+    )
+
+
+def _unflatten(treedef: TreeDef, leaves: list[mx.array], at: list[int]) -> Any:
+    if treedef == _LEAF:
+        leaf = leaves[at[0]]
+        at[0] += 1
+        return leaf
     if treedef is None:
         return None
     if treedef[0] == "t":
-        return tuple(_unflatten(d, leaves) for d in treedef[1])
+        return tuple(_unflatten(d, leaves, at) for d in treedef[1])
     if treedef[0] == "l":
-        return [_unflatten(d, leaves) for d in treedef[1]]
+        return [_unflatten(d, leaves, at) for d in treedef[1]]
     cls, static_values, child_defs = treedef
-    return rebuild(cls, tuple(_unflatten(d, leaves) for d in child_defs), static_values)
+    return rebuild(cls, tuple(_unflatten(d, leaves, at) for d in child_defs), static_values)
 
 
-def tree_unflatten(treedef: TreeDef, leaves: list[mx.array] | tuple[mx.array, ...]) -> Any:
-    """Inverse of `tree_flatten`."""
-    it = iter(leaves)
-    tree = _unflatten(treedef, it)
-    if next(it, None) is not None:
-        raise ValueError("tree_unflatten got more arrays than the TreeDef has leaves")
-    return tree
+def unflatten_unchecked(treedef: TreeDef, leaves: list[mx.array]) -> Any:
+    """`tree_unflatten` without any validation (for trees kvstate flattened itself)."""
+    return _unflatten(treedef, leaves, [0])
+
+
+def check_leaves(treedef: TreeDef, leaves: Any) -> list[mx.array]:
+    """`leaves` as a list, after checking they are arrays and as many as `treedef` needs."""
+    if not isinstance(leaves, (list, tuple)):
+        raise StateError(
+            f"tree_unflatten: leaves must be a list or tuple of mx.array; got a "
+            f"{type(leaves).__name__}"
+        )
+    need = count_leaves(treedef)
+    if len(leaves) != need:
+        raise ShapeError(
+            f"tree_unflatten: the TreeDef describes {need} arrays but {len(leaves)} were given; "
+            "pass exactly the arrays tree_flatten returned (or as many, in the same order)"
+        )
+    bad = [i for i, a in enumerate(leaves) if not isinstance(a, mx.array)]
+    if bad:
+        raise ShapeError(
+            f"tree_unflatten: leaves {bad[:8]} are not mx.array (got "
+            f"{type(leaves[bad[0]]).__name__}); every leaf must be an mx.array"
+        )
+    return list(leaves)
 
 
 def _collect(node: Any, leaves: list[mx.array]) -> None:
@@ -145,9 +201,11 @@ def tree_leaves(tree: Any) -> list[mx.array]:
 
 
 def tree_map(fn: Callable[[mx.array], mx.array], tree: Any) -> Any:
-    """Apply `fn` to every array of a state, keeping the structure and the statics."""
+    """Apply `fn` to every array of a state (or of a nested tuple of arrays, such as
+    checkpoints), keeping the structure and the statics. `fn` must keep each array's shape
+    where the state depends on it; the result is not re-checked (see `kvstate.check`)."""
     leaves, treedef = tree_flatten(tree)
-    return tree_unflatten(treedef, [fn(a) for a in leaves])
+    return unflatten_unchecked(treedef, [fn(a) for a in leaves])
 
 
 def eval(tree: Any) -> Any:

@@ -4,6 +4,11 @@ The row transforms mean the same list operation for every kind (tile repeats row
 row_select / filter pick them, merge / extend concatenate them, extract keeps one), so the
 rules live here; a kind's machine says how to draw states, read a state's rows, run a
 forward and commit, and how combining rows changes them (`combine`).
+
+A pending forward (`self.pending`) survives the row transforms: row_select / tile / filter /
+extract keep it (a machine gathers whatever it keeps for a later commit, such as checkpoints,
+in `gather_pending`), merge / extend keep it when every input has the same one
+(`combined_pending`), so a commit after any of them must still give the right rows.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvstate as ks
-from kvstate._transforms import appended_of
+from kvstate.kinds import appended_of
 
 from ._reference import Witness
 
@@ -52,6 +57,18 @@ class RowMachine(RuleBasedStateMachine):
         """Rows of `take_rows` (tile, row_select, filter) at `indices` (default: a gather)."""
         return [self.rows[i] for i in indices]
 
+    def gather_pending(self, indices: list[int]) -> None:
+        """Rows were taken (tile, row_select, filter, extract): gather per-row records of the
+        pending forward (checkpoints...) the same way. Default: nothing to gather."""
+
+    def combined_pending(self, states: list[Any], pendings: list[int]) -> int:
+        """The pending count after merge / extend of `states`: theirs if they agree, else 0.
+        Whatever per-row record a machine keeps for a commit is gone (`forget_pending`)."""
+        return pendings[0] if len(set(pendings)) == 1 else 0
+
+    def forget_pending(self) -> None:
+        """The per-row records of the pending forward are unknown (after merge / extend)."""
+
     # -- helpers -------------------------------------------------------------------------
 
     def partner(self, label: str, batch: int | None = None) -> Any:
@@ -88,21 +105,25 @@ class RowMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 3))
     def tile(self, n: int) -> None:
         self.state = self.apply("tile", ks.tile, self.state, n)
-        self.rows = self.take([i for i in range(self.batch) for _ in range(n)])
+        self.took([i for i in range(self.batch) for _ in range(n)])
+
+    def took(self, indices: list[int]) -> None:
+        self.rows = self.take(indices)
+        self.gather_pending(indices)
 
     @precondition(lambda self: self.can_take_rows())
     @rule(data=st.data())
     def row_select(self, data: Any) -> None:
         rows = data.draw(self.row_indices(), label="rows")
         self.state = self.apply("row_select", ks.row_select, self.state, rows)
-        self.rows = self.take([rows] if isinstance(rows, int) else rows)
+        self.took([r % self.batch for r in ([rows] if isinstance(rows, int) else rows)])
 
     @precondition(lambda self: self.can_take_rows())
     @rule(data=st.data())
     def filter(self, data: Any) -> None:
         rows = data.draw(self.row_indices(), label="rows")
         self.state = self.apply("filter", ks.filter, self.state, rows)
-        self.rows = self.take([rows] if isinstance(rows, int) else rows)
+        self.took([r % self.batch for r in ([rows] if isinstance(rows, int) else rows)])
 
     @precondition(lambda self: self.batch < MAX_BATCH and self.can_batch())
     @rule(data=st.data(), first=st.booleans())
@@ -112,9 +133,11 @@ class RowMachine(RuleBasedStateMachine):
             others.append(self.partner("merge partner 2", batch=1))
         states = [self.state, *others] if first else [*others, self.state]
         parts = [self.read_rows(s) for s in states]
+        pendings = [self.pending if s is self.state else appended_of(s) for s in states]
         self.state = self.apply("merge", ks.merge, states)
         self.rows = self.combine(parts, "merge")
-        self.pending = 0
+        self.pending = self.combined_pending(states, pendings)
+        self.forget_pending()
 
     @precondition(lambda self: self.batch < MAX_BATCH and self.can_batch())
     @rule(first=st.booleans())
@@ -122,16 +145,19 @@ class RowMachine(RuleBasedStateMachine):
         other = self.partner("extend partner")
         pair = (self.state, other) if first else (other, self.state)
         parts = [self.read_rows(s) for s in pair]
+        pendings = [self.pending if s is self.state else appended_of(s) for s in pair]
         self.state = self.apply("extend", ks.extend, *pair)
         self.rows = self.combine(parts, "extend")
-        self.pending = 0
+        self.pending = self.combined_pending(list(pair), pendings)
+        self.forget_pending()
 
     @rule(data=st.data())
     def extract(self, data: Any) -> None:
         row = data.draw(st.integers(-self.batch, self.batch - 1), label="row")
+        index = row % self.batch
         self.state = self.apply("extract", ks.extract, self.state, row)
         self.rows = self.combine([[self.rows[row]]], "extract")
-        self.pending = 0
+        self.gather_pending([index])
 
     @rule()
     def snapshot(self) -> None:

@@ -16,9 +16,9 @@ import numpy as np
 from mlx_lm.models.cache import ChunkedKVCache
 
 import kvstate as ks
+from kvstate import tree_flatten
 from kvstate.adapters import from_mlx_lm, to_mlx_lm
-from kvstate._transforms import record_forward
-from kvstate._tree import tree_flatten
+from kvstate.kinds import record_forward
 
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 

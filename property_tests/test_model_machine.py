@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate._transforms import appended_of
+from kvstate.kinds import appended_of
 from kvstate.testing import accepted_counts
 
 from ._machine import MAX_BATCH, RowMachine
@@ -104,6 +104,29 @@ class ModelMachine(RowMachine):
     def combine(self, parts: list[list[Any]], kind: str) -> list[Any]:
         return [r for p in parts for r in p]
 
+    def gather_pending(self, indices: list[int]) -> None:
+        # Rows keep the pending forward, unless a row holds fewer tokens than it appended (a
+        # right-padded prompt): then every layer settles it.
+        self.pending = self.kept_pending(self.pending)
+        if self.checkpoints is not None:
+            index = mx.array(indices)
+            self.checkpoints = ks.tree_map(lambda c: c[index], self.checkpoints)
+
+    def combined_pending(self, states: list[Any], pendings: list[int]) -> int:
+        return self.kept_pending(super().combined_pending(states, pendings))
+
+    def kept_pending(self, expected: int) -> int:
+        """A layer kind may not keep a pending forward through a transform (a window whose
+        one-token forward overwrote a slot, a right-padded row); then the state has none."""
+        kept = appended_of(self.state)
+        assert kept in (expected, 0), f"pending forward {kept}, expected {expected} or 0"
+        if kept == 0:
+            self.checkpoints = None
+        return kept
+
+    def forget_pending(self) -> None:
+        self.checkpoints = None
+
     def assert_rows(self) -> None:
         pass  # checked against mlx-lm at every forward (and at teardown)
 
@@ -121,7 +144,7 @@ class ModelMachine(RowMachine):
         self.checkpoints = out[2] if capture else None
         self.pending, self.last = k, "forward"
 
-    @precondition(lambda self: self.last == "forward")
+    @precondition(lambda self: self.pending > 0)
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
         if self.checkpoints is None and self.needs_checkpoints():
@@ -134,6 +157,7 @@ class ModelMachine(RowMachine):
         )
         self.rows = [r[: len(r) - self.pending + c] for r, c in zip(self.rows, counts, strict=True)]
         self.pending = 0
+        self.checkpoints = None
 
     @rule(k=st.integers(1, 3), data=st.data())
     def speculate(self, k: int, data: Any) -> None:

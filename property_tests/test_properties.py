@@ -18,13 +18,12 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import kvstate as ks
+from kvstate import tree_flatten
 from kvstate.adapters import from_mlx_lm, to_mlx_lm
-from kvstate._transforms import appended_of
-from kvstate._tree import tree_flatten
+from kvstate.kinds import appended_of
 from kvstate.testing import (
     DTYPES,
     QUANT_BITS,
-    _window_update,
     accepted_counts,
     chunked_kv_states,
     dense_kv_states,
@@ -36,6 +35,7 @@ from kvstate.testing import (
     recurrent_states,
     rotating_kv_states,
 )
+from kvstate.testing._window import window_update
 
 from ._reference import (
     Witness,
@@ -381,7 +381,7 @@ def test_window_strategy_mirrors_mlx_lm(state, n, data):
         noise(rng, (batch, heads, n, dv), dtype),
     )
     assert_identical(
-        _window_update(state, keys, values), forgetful(cache_forward(state, keys, values))
+        window_update(state, keys, values), forgetful(cache_forward(state, keys, values))
     )
 
 

@@ -20,7 +20,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm
-from kvstate._transforms import record_forward
+from kvstate.kinds import record_forward
 from kvstate.testing import DTYPES, accepted_counts, recurrent_states
 
 from ._machine import RowMachine
@@ -114,6 +114,15 @@ class RecurrentMachine(RowMachine):
             rows = [attrs.evolve(r, left_padding=0) for r in rows]
         return rows
 
+    def gather_pending(self, indices: list[int]) -> None:
+        if self.checkpoints is not None:
+            index = mx.array(indices)
+            self.checkpoints = tuple(c[index] for c in self.checkpoints)
+            self.history = [self.history[i] for i in indices]
+
+    def forget_pending(self) -> None:
+        self.checkpoints = None
+
     def combine(self, parts: list[list[RRow]], kind: str) -> list[RRow]:
         rows = [r for p in parts for r in p]
         if kind == "extract":
@@ -180,7 +189,7 @@ class RecurrentMachine(RowMachine):
         ]
         self.pending = k
 
-    @precondition(lambda self: self.last == "forward")
+    @precondition(lambda self: self.pending > 0 and self.checkpoints is not None)
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
         accepted = data.draw(accepted_counts(self.state), label="accepted")
@@ -197,6 +206,7 @@ class RecurrentMachine(RowMachine):
             for row, (r, c) in enumerate(zip(self.rows, counts, strict=True))
         ]
         self.pending = 0
+        self.checkpoints = None
 
     @rule(k=st.integers(1, 3), data=st.data())
     def speculate(self, k: int, data: Any) -> None:
@@ -212,6 +222,7 @@ class RecurrentMachine(RowMachine):
         if all(c == self.pending for c in counts):
             self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
             self.pending = 0
+            self.checkpoints = None
             return
         with pytest.raises(ks.CheckpointRequiredError):
             ks.commit_prefix(self.state, accepted)

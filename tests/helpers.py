@@ -10,7 +10,7 @@ from mlx_lm.generate import _merge_caches, _right_pad_prompts, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate._tree import tree_flatten
+from kvstate import tree_flatten
 
 
 def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import ChunkedKVCache, make_prompt_cache
 
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate._transforms import record_forward
+from kvstate.kinds import record_forward
 from tests.helpers import assert_unchanged, frozen_copy, greedy_reference, raw_logits
 
 CHUNK = 8

@@ -29,9 +29,6 @@ from mlx_lm.models.cache import (
 )
 
 import kvstate as ks
-from kvstate.adapters import from_mlx_lm, wrap
-from kvstate.adapters._convert import _FROM, to_cache
-from kvstate.adapters.tiny_models import tiny_model
 from kvstate import (
     ChunkedKV,
     DenseKV,
@@ -41,7 +38,10 @@ from kvstate import (
     RecurrentState,
     RotatingKV,
 )
-from kvstate._transforms import batch_size_of
+from kvstate.adapters import from_mlx_lm, wrap
+from kvstate.adapters._convert import _FROM, to_cache
+from kvstate.adapters.tiny_models import tiny_model
+from kvstate.kinds import appended_of, batch_size_of
 
 _UINTS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _seed = iter(range(10_000))
@@ -110,7 +110,9 @@ def sample_states() -> dict[str, Any]:
         ),
         "list": ListState((DenseKV(k, v, length=3), RecurrentState((rand((1, 3, 8)), None)))),
     }
-    states["model"] = ModelState(tuple(states.values()))
+    one_row = [s for s in states.values() if ks.batch_size(s) == 1]
+    states["every_kind"] = tuple(states.values())  # a tuple of states: no shared batch
+    states["model"] = ModelState(tuple(ks.commit_prefix(s, appended_of(s)) for s in one_row))
     return states
 
 
@@ -127,20 +129,20 @@ def test_round_trip_is_bitwise_identical(kind, tmp_path):
 
 def test_file_is_plain_safetensors_with_arrays_named_by_path(tmp_path):
     path = tmp_path / "model.safetensors"
-    ks.save(path, SAMPLES["model"])
+    ks.save(path, SAMPLES["every_kind"])
     arrays = mx.load(str(path))
-    at = {name: i for i, name in enumerate(SAMPLES)}  # the model's layers, in this order
+    at = {name: i for i, name in enumerate(SAMPLES)}  # the tuple's entries, in this order
     expected = {
-        f"layers.{at['dense']}.keys",
-        f"layers.{at['quantized']}.keys.0",
-        f"layers.{at['quantized']}.values.2",
-        f"layers.{at['rotating_with_previous']}.previous.keys",
-        f"layers.{at['recurrent']}.arrays.2",
-        f"layers.{at['list']}.states.1.arrays.0",
+        f"{at['dense']}.keys",
+        f"{at['quantized']}.keys.0",
+        f"{at['quantized']}.values.2",
+        f"{at['rotating_with_previous']}.previous.keys",
+        f"{at['recurrent']}.arrays.2",
+        f"{at['list']}.states.1.arrays.0",
     }
     assert expected <= set(arrays)
-    assert f"layers.{at['recurrent']}.arrays.1" not in arrays  # a None child holds no tensor
-    assert bits(arrays[f"layers.{at['dense']}.keys"]) == bits(SAMPLES["dense"].keys)
+    assert f"{at['recurrent']}.arrays.1" not in arrays  # a None child holds no tensor
+    assert bits(arrays[f"{at['dense']}.keys"]) == bits(SAMPLES["dense"].keys)
 
 
 def test_metadata_round_trips_separately_from_the_state(tmp_path):
@@ -271,7 +273,7 @@ def test_trailing_bytes(saved):
     expect_error(saved, "trailing bytes")
 
 
-@pytest.mark.parametrize("tensor", ["layers.0.keys", "layers.4.keys.0", "layers.8.values"])
+@pytest.mark.parametrize("tensor", ["layers.0.keys", "layers.3.keys.0", "layers.6.values"])
 def test_flipped_byte_in_an_array(saved, tensor):
     n, header = header_of(saved)
     start, end = header[tensor]["data_offsets"]
@@ -304,7 +306,7 @@ def test_edited_shape_and_dtype_are_caught_even_with_a_recomputed_checksum(saved
 
     rewrite(saved, body=edit)
     message = expect_error(saved, "'layers.0.keys' has shape [1, 2, 16, 8], recorded [1, 2, 8, 16]")
-    assert "'layers.1.values' has dtype bfloat16, recorded float16" in message  # all at once
+    assert "'layers.1.values' has dtype float32, recorded float16" in message  # all at once
 
 
 def test_replaced_array_of_another_dtype(saved):
@@ -458,7 +460,7 @@ MLX_LM_CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
         lambda c: RecurrentState(tuple(c.cache), c.left_padding, None),
     ),
     "CacheList": (
-        lambda: CacheList(filled(KVCache(), [2]), arrays_cache()),
+        lambda: CacheList(filled(KVCache(), [2], batch=2), arrays_cache()),
         lambda c: ListState(
             (
                 DenseKV(c[0].keys, c[0].values, length=2),
@@ -500,7 +502,10 @@ def test_reads_mlx_lm_prompt_cache_files(case, tmp_path):
     make, meaning = MLX_LM_CASES[case]
     cache = make()
     path = str(tmp_path / "prompt.safetensors")
-    save_prompt_cache(path, [cache, filled(KVCache(), [2])], {"model": "tiny", "step": "7"})
+    rows = ks.batch_size(meaning(cache))  # every layer of one model has the same rows
+    save_prompt_cache(
+        path, [cache, filled(KVCache(), [2], batch=rows)], {"model": "tiny", "step": "7"}
+    )
     state, metadata = ks.load(path, return_metadata=True)
     assert metadata == {"model": "tiny", "step": "7"}
     assert isinstance(state, ModelState) and len(state.layers) == 2
@@ -512,13 +517,16 @@ def test_reads_mlx_lm_prompt_cache_files(case, tmp_path):
         assert_identical(state, from_mlx_lm(reference))
 
 
-def test_mlx_lm_file_of_a_whole_hybrid_model_equals_the_adapters(tmp_path):
-    caches = [make() for make, _ in MLX_LM_CASES.values()]
+@pytest.mark.parametrize("rows", [1, 2])
+def test_mlx_lm_file_of_a_whole_hybrid_model_equals_the_adapters(rows, tmp_path):
+    built = [(make(), meaning) for make, meaning in MLX_LM_CASES.values()]
+    cases = [(c, m) for c, m in built if ks.batch_size(m(c)) == rows]  # one model, one batch
+    caches = [c for c, _ in cases]
     path = str(tmp_path / "prompt.safetensors")
     save_prompt_cache(path, caches)
     state = ks.load(path)
-    assert len(state.layers) == len(caches)
-    for layer, cache, (_, meaning) in zip(state.layers, caches, MLX_LM_CASES.values(), strict=True):
+    assert len(state.layers) == len(caches) > 2
+    for layer, (cache, meaning) in zip(state.layers, cases, strict=True):
         assert_identical(layer, meaning(cache))
     reference = load_prompt_cache(path)
     if (reason := adapter_missing(reference)) is not None:

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate.adapters._quantized import PackedQuantizedKVCache
+from kvstate.adapters._quantized import packed_quantized_cache, packed_update_and_fetch
 from kvstate.adapters.tiny_models import tiny_model
 from tests.helpers import assert_unchanged, frozen_copy
 
@@ -180,7 +180,7 @@ def test_mlx_lm_quantized_cache_fails_for_5_bit_at_head_dim_192():
     assert mlx_lm_words(192, 5) == 32 and 192 * 5 // 32 == 30
     with pytest.raises(ValueError, match="broadcast"):
         QuantizedKVCache(group_size=64, bits=5).update_and_fetch(keys, keys)
-    fixed = PackedQuantizedKVCache(group_size=64, bits=5)
+    fixed = packed_quantized_cache(group_size=64, bits=5)
     packed, _, _ = fixed.update_and_fetch(keys, keys)[0]
     assert packed.shape == (1, 2, 3, 30)
 
@@ -237,7 +237,8 @@ def test_round_trips_are_identities(model):
         np.testing.assert_array_equal(np_(a), np_(b))
 
     back = to_mlx_lm(state)
-    assert all(type(c) is PackedQuantizedKVCache for c in back)
+    assert all(type(c) is QuantizedKVCache for c in back)
+    assert all(c.update_and_fetch.__func__ is packed_update_and_fetch for c in back)
     for c, orig in zip(back, caches, strict=True):
         assert (c.offset, c.bits, c.group_size) == (orig.offset, orig.bits, orig.group_size)
         for a, b in zip(c.keys + c.values, orig.keys + orig.values, strict=True):

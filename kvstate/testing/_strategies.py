@@ -1,69 +1,44 @@
-"""Hypothesis strategies for every kvstate state, so you can property-test your own decoders.
-
-    from hypothesis import given, strategies as st
-    from kvstate.testing import accepted_counts, dense_kv_states
-
-    @given(st.data())
-    def test_my_decoder(data):
-        state = data.draw(dense_kv_states(batch=2, padded=True))
-        accepted = data.draw(accepted_counts(state))
-        ...
-
-Every strategy draws *small* shapes (batch <= 3, heads <= 2, head dims <= 8 or one or two
-quantization groups, a dozen or so positions) so that hundreds of examples run in seconds.
-States are what the matching mlx-lm cache could hold after real forwards (windows are
-built forward by forward with mlx-lm's own update rule), with `appended` set as after the
-last forward, so `commit_prefix` applies; `accepted_counts` draws counts it accepts.
-Array contents are random normal numbers from a drawn seed (hypothesis does not shrink
-them; it shrinks the shapes, lengths, paddings and counts). Buffer positions that no row
-uses (capacity past the length, left padding) hold garbage on purpose: code that reads
-them is wrong, and garbage makes that visible.
-
-Each strategy accepts a fixed value or a strategy for each of its knobs; `None` means
-"draw it". Fix the knobs that must agree when you combine states (`merge`, `extend`):
-kind, dtype, heads, head dims, bits, group size, window.
-
-This module needs hypothesis (the `test` extra); `import kvstate` never imports it.
-"""
+"""The hypothesis strategies of `kvstate.testing` (see its docstring)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
 
-from ._states import (
-    ChunkedKV,
-    DenseKV,
-    ListState,
-    ModelState,
-    QuantizedKV,
-    RecurrentState,
-    RotatingKV,
-)
-from ._transforms import appended_of, batch_size_of
-
-__all__ = [
-    "DTYPES",
-    "accepted_counts",
-    "chunked_kv_states",
-    "dense_kv_states",
-    "layer_states",
-    "list_states",
-    "model_states",
-    "quantized_kv_states",
-    "QUANT_BITS",
-    "recurrent_checkpoints",
-    "recurrent_states",
-    "rotating_kv_states",
-]
+from .._chunked import ChunkedKV
+from .._composite import ListState, ModelState
+from .._dense import DenseKV
+from .._quantized import BITS, QuantizedKV
+from .._recurrent import RecurrentState
+from .._rotating import RotatingKV
+from ..kinds import appended_of, batch_size_of, capabilities_of, layer_kinds
+from ._window import window_update
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 """Floating dtypes the strategies draw from."""
 
 Knob = Any  # a fixed value, a strategy for it, or None (draw from the default range)
+
+LayerStrategy = Callable[..., st.SearchStrategy[Any]]
+"""A function `(batch=..., appended=...) -> strategy` for one layer state of some kind."""
+
+STRATEGIES: dict[type, LayerStrategy] = {}
+"""The strategy of every layer kind, registered with `strategy_for` (a test checks that every
+kind registered with `kvstate.kinds` has one)."""
+
+
+def strategy_for(cls: type) -> Callable[[LayerStrategy], LayerStrategy]:
+    """Register `fn(batch=..., appended=..., **knobs)` as the strategy for states of `cls`."""
+
+    def decorate(fn: LayerStrategy) -> LayerStrategy:
+        STRATEGIES[cls] = fn
+        return fn
+
+    return decorate
 
 
 def _knob(draw: Any, value: Knob, default: st.SearchStrategy[Any]) -> Any:
@@ -88,6 +63,7 @@ _MAYBE_EMPTY = st.sampled_from([False, False, True])
 # ---------------------------------------------------------------------------------------
 
 
+@strategy_for(DenseKV)
 @st.composite
 def dense_kv_states(
     draw: Any,
@@ -163,8 +139,9 @@ def accepted_counts(draw: Any, state: Any, *, ragged: Knob = None) -> int | list
     state before that forward is the rollback). Recurrent parts need checkpoints for
     anything below `appended` (see `recurrent_checkpoints`)."""
     appended = appended_of(state)
-    lowest = appended if _must_keep_all(state) else 0
-    if not _takes_ragged(state) or batch_size_of(state) == 1:
+    caps = capabilities_of(state)
+    lowest = 0 if caps.can_roll_back else appended
+    if not caps.ragged_commit or batch_size_of(state) == 1:
         ragged = False
     ragged = _knob(draw, ragged, st.booleans())
     if not ragged:
@@ -173,45 +150,15 @@ def accepted_counts(draw: Any, state: Any, *, ragged: Knob = None) -> int | list
     return draw(st.lists(st.integers(lowest, appended), min_size=batch, max_size=batch))
 
 
-def _parts(state: Any) -> tuple[Any, ...]:
-    if isinstance(state, ModelState):
-        return tuple(p for s in state.layers for p in _parts(s))
-    if isinstance(state, ListState):
-        return tuple(p for s in state.states for p in _parts(s))
-    return (state,)
-
-
-def _takes_ragged(state: Any) -> bool:
-    def one(p: Any) -> bool:
-        if isinstance(p, (QuantizedKV, ChunkedKV)):
-            return False
-        return not (isinstance(p, RotatingKV) and p.keep)
-
-    return all(one(p) for p in _parts(state))
-
-
-def _must_keep_all(state: Any) -> bool:
-    """A window whose last (one-token) forward overwrote a slot cannot roll it back."""
-
-    def one(p: Any) -> bool:
-        if not isinstance(p, RotatingKV) or p.appended != 1 or p.previous is not None:
-            return False
-        batched = p.left_padding is not None
-        overwrote = p.rotated if batched else p.offset > p.max_size
-        intact = not overwrote and p.index >= 1 and (batched or p.index == p.offset)
-        return not intact
-
-    return any(one(p) for p in _parts(state))
-
-
 # ---------------------------------------------------------------------------------------
 # Quantized KV (QuantizedKVCache)
 # ---------------------------------------------------------------------------------------
 
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_BITS = BITS
 """The bit widths kvstate supports (`kvstate.quantize`)."""
 
 
+@strategy_for(QuantizedKV)
 @st.composite
 def quantized_kv_states(
     draw: Any,
@@ -278,6 +225,7 @@ def quantized_kv_states(
 # ---------------------------------------------------------------------------------------
 
 
+@strategy_for(ChunkedKV)
 @st.composite
 def chunked_kv_states(
     draw: Any,
@@ -365,6 +313,7 @@ def chunked_kv_states(
 _TRAILING = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
 
 
+@strategy_for(RecurrentState)
 @st.composite
 def recurrent_states(
     draw: Any,
@@ -427,115 +376,8 @@ def recurrent_checkpoints(draw: Any, state: RecurrentState) -> tuple[mx.array | 
 # Sliding windows (RotatingKVCache, BatchRotatingKVCache)
 # ---------------------------------------------------------------------------------------
 
-_STEP = 256  # mlx-lm's growth step for rotating buffers
 
-
-def _fresh_write(a: mx.array, at: int, x: mx.array) -> mx.array:
-    out = a[...]  # a new array object: the write must not reach a state that holds `a`
-    out[..., at : at + x.shape[2], :] = x
-    return out
-
-
-def _grow(a: mx.array | None, like: mx.array, size: int) -> mx.array:
-    new = mx.zeros((*like.shape[:2], size, like.shape[3]), like.dtype)
-    return new if a is None else mx.concatenate([a, new], axis=2)
-
-
-def _window_update(s: RotatingKV, k: mx.array, v: mx.array) -> RotatingKV:
-    """One forward of k, v (B, H, S, D) into a window, exactly as mlx-lm's RotatingKVCache /
-    BatchRotatingKVCache `update_and_fetch` does it (kvstate's core never imports mlx-lm,
-    so the strategies carry this mirror of it). Returns the new state, `appended` unset."""
-    n = k.shape[2]
-    keys, values, idx, keep, top = s.keys, s.values, s.index, s.keep, s.max_size
-    if s.left_padding is None:
-        if n > 1:  # _update_concat
-            if keys is None or values is None:
-                keys, values = k, v
-            else:
-                if idx != keys.shape[2]:
-                    if idx < s.offset:
-                        keys, values = (
-                            mx.concatenate(
-                                [a[..., :keep, :], a[..., idx:, :], a[..., keep:idx, :]], 2
-                            )
-                            for a in (keys, values)
-                        )
-                    else:
-                        keys, values = keys[..., :idx, :], values[..., :idx, :]
-                trim = keys.shape[2] - top + 1
-                if trim > 0:
-                    keys, values = (
-                        mx.concatenate([a[..., :keep, :], a[..., trim + keep :, :]], 2)
-                        for a in (keys, values)
-                    )
-                keys, values = mx.concatenate([keys, k], 2), mx.concatenate([values, v], 2)
-            return RotatingKV(
-                keys, values, max_size=top, keep=keep, offset=s.offset + n, index=keys.shape[2]
-            )
-        prev = s.offset  # _update_in_place
-        if keys is None or values is None or (prev >= keys.shape[2] and keys.shape[2] < top):
-            size = min(_STEP, top - prev)
-            keys, values, idx = _grow(keys, k, size), _grow(values, v, size), prev
-        trim = keys.shape[2] - top
-        if trim > 0:
-            keys, values = (
-                mx.concatenate([a[..., :keep, :], a[..., trim + keep :, :]], 2)
-                for a in (keys, values)
-            )
-            idx = top
-        if idx == top:
-            idx = keep
-        keys, values = _fresh_write(keys, idx, k), _fresh_write(values, idx, v)
-        return RotatingKV(keys, values, max_size=top, keep=keep, offset=prev + n, index=idx + n)
-    assert s.offsets is not None
-    left_padding, rotated = s.left_padding, s.rotated
-    if n > 1:  # BatchRotatingKVCache._update_concat (no right padding)
-        if keys is None or values is None:
-            keys, values = k, v
-        else:
-            if rotated:
-                keys, values = mx.roll(keys, -idx, 2), mx.roll(values, -idx, 2)
-                idx, rotated = keys.shape[2], False
-            keys, values = keys[..., :idx, :], values[..., :idx, :]
-            trim = idx - top + 1
-            if trim > 0:
-                left_padding = left_padding - trim
-                keys, values = keys[..., trim:, :], values[..., trim:, :]
-            keys, values = mx.concatenate([keys, k], 2), mx.concatenate([values, v], 2)
-        return RotatingKV(
-            keys,
-            values,
-            left_padding,
-            s.offsets + n,
-            max_size=top,
-            offset=s.offset + n,
-            index=keys.shape[2],
-        )
-    prev = s.offset  # BatchRotatingKVCache._update_in_place
-    if keys is None or values is None or (prev >= keys.shape[2] and keys.shape[2] < top):
-        size = min(_STEP, top - prev)
-        keys, values, idx = _grow(keys, k, size), _grow(values, v, size), prev
-    trim = keys.shape[2] - top
-    if trim > 0:
-        keys, values, idx = keys[..., trim:, :], values[..., trim:, :], top
-        left_padding = left_padding - trim
-    if idx == top:
-        rotated, idx = True, 0
-    if rotated:
-        left_padding = left_padding - n
-    keys, values = _fresh_write(keys, idx, k), _fresh_write(values, idx, v)
-    return RotatingKV(
-        keys,
-        values,
-        left_padding,
-        s.offsets + n,
-        max_size=top,
-        offset=prev + n,
-        index=idx + n,
-        rotated=rotated,
-    )
-
-
+@strategy_for(RotatingKV)
 @st.composite
 def rotating_kv_states(
     draw: Any,
@@ -601,7 +443,7 @@ def rotating_kv_states(
         before = state
         k = mx.array(rng.standard_normal((batch, heads, n, k_dim)).astype(np.float32))
         v = mx.array(rng.standard_normal((batch, heads, n, v_dim)).astype(np.float32))
-        state = _window_update(state, k.astype(dtype), v.astype(dtype))
+        state = window_update(state, k.astype(dtype), v.astype(dtype))
     if not appended:
         return state
     previous = before if chunks[-1] > 1 else None
@@ -627,22 +469,14 @@ def rotating_kv_states(
 
 @st.composite
 def layer_states(draw: Any, *, batch: Knob = None, appended: Knob = None) -> Any:
-    """A layer state of any kind (dense, quantized, chunked, recurrent, rotating) with the
-    given batch size and `appended` count (drawn if None)."""
+    """A layer state of any registered kind (`STRATEGIES`), with the given batch size and
+    `appended` count (drawn if None)."""
     batch = _knob(draw, batch, st.integers(1, 3))
     appended = _knob(draw, appended, st.integers(0, 3))
     kinds = [
-        dense_kv_states(batch=batch, appended=appended),
-        quantized_kv_states(batch=batch, appended=appended),
-        chunked_kv_states(batch=batch, appended=appended),
-        recurrent_states(batch=batch, appended=appended),
-        rotating_kv_states(batch=batch, appended=appended),
+        STRATEGIES[k](batch=batch, appended=appended) for k in layer_kinds() if k in STRATEGIES
     ]
     return draw(st.one_of(kinds))
-
-
-LayerStrategy = Any
-"""A function `(batch=..., appended=...) -> strategy` for one layer state."""
 
 
 def _default_layer(*, batch: int, appended: int) -> st.SearchStrategy[Any]:

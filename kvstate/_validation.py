@@ -1,0 +1,180 @@
+"""Checking what enters kvstate: whole states (`check`), trees of arrays (`tree_unflatten`),
+and the integers the transforms take. The per-kind checks are registered with
+`kinds.problems`; the helpers here are what they are written with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from ._errors import ShapeError, StateError
+from ._tree import TreeDef, check_leaves, host_ints, unflatten_unchecked
+from .kinds import problems
+
+S = TypeVar("S")
+
+
+# ---------------------------------------------------------------------------------------
+# Whole states
+# ---------------------------------------------------------------------------------------
+
+
+def check(state: S, *, values: bool = True) -> S:
+    """Raise `ShapeError` naming every inconsistency of `state` by its path, else return it.
+
+    Checks that arrays agree in batch, heads and capacity, that lengths, counts and indices
+    are integers within the buffers, that bookkeeping arrays are integer (B,) vectors, and
+    (with `values`, one host sync of the small per-row arrays) that left padding and per-row
+    positions lie within the buffers. `load`, `tree_unflatten` and
+    `kvstate.adapters.from_mlx_lm` run it; call it on states you build by hand. The
+    transforms do not (their outputs are consistent by construction, and they stay fast).
+    """
+    found = problems(state, values)
+    if found:
+        shown = "; ".join(found[:20]) + (
+            f"; ... ({len(found) - 20} more)" if len(found) > 20 else ""
+        )
+        raise ShapeError(
+            f"inconsistent {type(state).__name__}: {shown}. States built from parts must "
+            "agree with themselves; build them from model caches (kvstate.adapters) or with "
+            "the transforms"
+        )
+    return state
+
+
+def tree_unflatten(
+    treedef: TreeDef, leaves: Sequence[mx.array], *, check_state: bool = True
+) -> Any:
+    """Inverse of `tree_flatten`. The result is checked like `check(values=False)` (shapes
+    and statics, no host sync, so it works inside `mx.compile`); pass `check_state=False` to
+    skip even that on a hot path whose arrays you know fit."""
+    tree = unflatten_unchecked(treedef, check_leaves(treedef, leaves))
+    if check_state:
+        _check_tree(tree)
+    return tree
+
+
+def _check_tree(node: Any) -> None:
+    if isinstance(node, (tuple, list)):
+        for c in node:
+            _check_tree(c)
+    elif node is not None and not isinstance(node, mx.array):
+        check(node, values=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Integers given to the transforms
+# ---------------------------------------------------------------------------------------
+
+
+def is_int(x: Any) -> bool:
+    """A Python or NumPy integer, or a 0-d integer mx.array / ndarray; never a bool."""
+    if isinstance(x, (mx.array, np.ndarray)):
+        return x.ndim == 0 and _integer_dtype(x.dtype)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    if isinstance(dtype, mx.Dtype):
+        return mx.issubdtype(dtype, mx.integer)
+    return np.issubdtype(dtype, np.integer)
+
+
+def as_int(x: Any, what: str, error: type[StateError]) -> int:
+    """`x` as a Python int, or `error` naming `what`."""
+    if not is_int(x):
+        raise error(f"{what} must be an integer; got {x!r} ({type(x).__name__})")
+    return int(x.item() if isinstance(x, (mx.array, np.ndarray)) else x)  # type: ignore[arg-type]
+
+
+def as_ints(x: Any, what: str, error: type[StateError]) -> tuple[list[int], bool]:
+    """An integer or a sequence / 1-d array of them as a list, and whether it was a scalar."""
+    if is_int(x):
+        return [as_int(x, what, error)], True
+    if isinstance(x, (mx.array, np.ndarray)):
+        if x.ndim != 1 or not _integer_dtype(x.dtype):
+            raise error(
+                f"{what} must be an int or a 1-d integer array; got an array of shape "
+                f"{tuple(x.shape)} and dtype {x.dtype}"
+            )
+        return [int(v) for v in x.tolist()], False  # type: ignore[arg-type, union-attr]
+    if not isinstance(x, (list, tuple)):
+        raise error(f"{what} must be an int or a list of ints; got {x!r:.100}")
+    bad = [v for v in x if not is_int(v)]
+    if bad:
+        raise error(f"{what} must hold only ints; got {bad[:5]!r} in {list(x)!r:.100}")
+    return [as_int(v, what, error) for v in x], False
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers the kinds write their `problems` with. Each returns a list of messages.
+# ---------------------------------------------------------------------------------------
+
+
+def static_int(name: str, value: Any, low: int = 0, high: int | None = None) -> list[str]:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return [f"{name}: must be an int; got {value!r} ({type(value).__name__})"]
+    if value < low or (high is not None and value > high):
+        upper = "" if high is None else f", <= {high}"
+        return [f"{name}: {value} is out of range (must be >= {low}{upper})"]
+    return []
+
+
+def static_bool(name: str, value: Any) -> list[str]:
+    return [] if isinstance(value, bool) else [f"{name}: must be a bool; got {value!r}"]
+
+
+def array_problems(name: str, a: Any, ndim: int | None = None, floating: bool = False) -> list[str]:
+    if not isinstance(a, mx.array):
+        return [f"{name}: must be an mx.array or None; got a {type(a).__name__}"]
+    if ndim is not None and a.ndim != ndim:
+        return [f"{name}: must have {ndim} dims; got shape {tuple(a.shape)}"]
+    if floating and not mx.issubdtype(a.dtype, mx.floating):
+        return [f"{name}: must be floating point; got {a.dtype}"]
+    return []
+
+
+def kv_pair_problems(keys: Any, values: Any) -> list[str]:
+    """Keys and values: both None, or (B, H, T, D) floating arrays agreeing in B, H and T."""
+    if keys is None and values is None:
+        return []
+    if keys is None or values is None:
+        return [
+            f"keys and values must both be arrays or both None; keys is {_kind(keys)}, values is {_kind(values)}"
+        ]
+    found = array_problems("keys", keys, 4, True) + array_problems("values", values, 4, True)
+    if not found and tuple(keys.shape[:3]) != tuple(values.shape[:3]):
+        found.append(
+            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree in batch, "
+            "heads or capacity (axes 0-2)"
+        )
+    return found
+
+
+def rows_problems(name: str, a: Any, batch: int) -> list[str]:
+    """A per-row bookkeeping array: None, or (batch,) of an integer dtype."""
+    if a is None:
+        return []
+    if not isinstance(a, mx.array):
+        return [f"{name}: must be an mx.array or None; got a {type(a).__name__}"]
+    if a.ndim != 1 or not mx.issubdtype(a.dtype, mx.integer):
+        return [f"{name}: must be a 1-d integer array; got shape {tuple(a.shape)} {a.dtype}"]
+    if a.shape[0] != batch:
+        return [f"{name}: has {a.shape[0]} rows, but the state has {batch}"]
+    return []
+
+
+def ints_within(name: str, a: mx.array | None, low: int, high: int) -> list[str]:
+    """Every entry of a (checked) per-row array in [low, high] (reads it: a host sync)."""
+    if a is None:
+        return []
+    bad = [v for v in host_ints(a) if not low <= v <= high]
+    return [f"{name}: entries {bad[:8]} are outside [{low}, {high}]"] if bad else []
+
+
+def _kind(x: Any) -> str:
+    return "None" if x is None else f"a {type(x).__name__}"

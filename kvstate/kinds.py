@@ -1,0 +1,438 @@
+"""The kind contract: what a kind of state is and what it must provide.
+
+A kind is one module that
+
+1. declares its class with `@state_class(Capabilities(...))`: a subclass of `State` whose
+   fields are array children (`mx.array`, None, tuples of those, or other states) or
+   `static_field()`s (hashable Python scalars);
+2. registers its implementation of every generic function below (`@take_rows.register`,
+   ...; `REQUIRED` lists the ones without a default);
+3. registers its consistency check (`@problems.register`), run wherever a state enters
+   from outside (`kvstate.check`, `load`, `tree_unflatten`, `from_mlx_lm`);
+4. refines `capabilities_of` if its capabilities depend on the instance.
+
+Registration is the only list of kinds: save/load, the hypothesis strategies, error messages
+and the composite walk all derive theirs from `kinds()`. A composite state (a layer that is
+several caches, a whole model) subclasses `Composite`: one tuple field of parts, reached
+everywhere through `.parts` and `with_parts`; the transforms map over its parts once, here.
+
+Generic functions get inputs the public transforms already validated (counts in range,
+rows in range, configurations that agree). Helpers for writing a kind are exported too:
+`replace` (a copy with fields changed, fast), `kv_config` / `array_kv_config` (the config of
+a KV kind), `config_mismatches`, `shared_appended` (the pending forward a merge keeps),
+`uniform_count` (the one count of a kind without left padding), `host_ints`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import singledispatch
+from typing import Any, ClassVar, TypeVar, dataclass_transform
+
+import attrs
+
+from ._errors import CommitError, StateError, require
+from ._shared import (
+    array_kv_config,
+    config_mismatches,
+    kv_config,
+    shared_appended,
+    uniform_count,
+)
+from ._tree import State, frozen_state, host_ints, replace, static_field, tree_leaves
+
+__all__ = [
+    "REQUIRED",
+    "Capabilities",
+    "Composite",
+    "State",
+    "appended_of",
+    "array_kv_config",
+    "config_mismatches",
+    "host_ints",
+    "implements",
+    "kv_config",
+    "replace",
+    "shared_appended",
+    "uniform_count",
+    "batch_size_of",
+    "capabilities_of",
+    "commit_rows",
+    "config_of",
+    "extend_states",
+    "extract_row",
+    "filter_rows",
+    "fit_config_of",
+    "kind_named",
+    "kinds",
+    "layer_kinds",
+    "merge_states",
+    "problems",
+    "record_forward",
+    "state_class",
+    "static_field",
+    "take_rows",
+    "with_parts",
+]
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class Capabilities:
+    """What a state can do. Query them with `kvstate.capabilities(state)`.
+
+    trimmable: `commit_prefix` keeps fewer than the appended tokens without checkpoints.
+    ragged_commit: `commit_prefix` takes one count per row.
+    batchable: `merge` / `extend` take states of different lengths (left padding).
+    needs_checkpoints: rolling back needs the checkpoints of a capturing forward.
+    can_roll_back: the last forward can be rolled back at all (False for a sliding window
+        whose one-token forward overwrote a slot: the state passed to it is the rollback).
+    """
+
+    trimmable: bool = True
+    ragged_commit: bool = True
+    batchable: bool = True
+    needs_checkpoints: bool = False
+    can_roll_back: bool = True
+
+    def __and__(self, other: Capabilities) -> Capabilities:
+        """What a state made of both parts can do."""
+        return Capabilities(
+            self.trimmable and other.trimmable,
+            self.ragged_commit and other.ragged_commit,
+            self.batchable and other.batchable,
+            self.needs_checkpoints or other.needs_checkpoints,
+            self.can_roll_back and other.can_roll_back,
+        )
+
+
+_KINDS: dict[str, type] = {}
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(attrs.field, static_field))
+def state_class(capabilities: Capabilities = Capabilities()) -> Callable[[type[T]], type[T]]:
+    """Declare a kind: a frozen state class with `capabilities`, registered under its name.
+
+    The class must subclass `State` (or `Composite`); names are unique, since files record
+    them. The class gets a summary `repr` (kind, batch, shapes, bytes; never the values).
+    """
+
+    def decorate(cls: type[T]) -> type[T]:
+        if not issubclass(cls, State):
+            raise TypeError(f"state_class: {cls.__name__} must subclass kvstate.kinds.State")
+        if cls.__name__ in _KINDS:
+            raise TypeError(f"state_class: a kind named {cls.__name__} is already registered")
+        made = frozen_state(cls)
+        if issubclass(made, Composite):
+            fields = made.__kvstate_children__
+            if len(fields) != 1:
+                raise TypeError(f"a Composite has one child field (its parts); got {fields}")
+            made._parts_field = fields[0]
+        made.__kvstate_capabilities__ = capabilities  # type: ignore[attr-defined]
+        made.__repr__ = _summary  # type: ignore[method-assign]
+        _KINDS[made.__name__] = made
+        return made
+
+    return decorate
+
+
+def kinds() -> tuple[type, ...]:
+    """Every registered state class, composites included, in registration order."""
+    return tuple(_KINDS.values())
+
+
+def layer_kinds() -> tuple[type, ...]:
+    """The registered kinds that are not composites."""
+    return tuple(k for k in _KINDS.values() if not issubclass(k, Composite))
+
+
+def kind_named(name: str) -> type | None:
+    return _KINDS.get(name)
+
+
+def _summary(state: Any) -> str:
+    from ._repr import summary  # the repr needs the generic functions defined below
+
+    return summary(state)
+
+
+class Composite(State):
+    """A state made of parts (`ListState`: one layer of several caches; `ModelState`: a
+    whole model). Subclasses declare one tuple field; `.parts` reads it under one name."""
+
+    __slots__ = ()
+    _parts_field: ClassVar[str]
+
+    @property
+    def parts(self) -> tuple[Any, ...]:
+        parts: tuple[Any, ...] = getattr(self, self._parts_field)
+        return parts
+
+
+def with_parts(state: Any, parts: tuple[Any, ...]) -> Any:
+    """`state` with its parts replaced (statics kept)."""
+    return replace(state, **{type(state)._parts_field: parts})
+
+
+# ---------------------------------------------------------------------------------------
+# The generic functions a kind implements.
+# ---------------------------------------------------------------------------------------
+
+
+def _unknown(state: Any) -> StateError:
+    names = ", ".join(_KINDS)
+    return StateError(
+        f"{type(state).__name__} is not a kvstate state; expected one of {names} "
+        "(convert mlx-lm caches with kvstate.adapters.from_mlx_lm)"
+    )
+
+
+@singledispatch
+def batch_size_of(state: Any) -> int:
+    """Rows of a state (1 for an empty single-sequence state)."""
+    raise _unknown(state)
+
+
+@singledispatch
+def appended_of(state: Any) -> int:
+    """Tokens the last forward appended (default: the state's `appended` static)."""
+    if not isinstance(state, State):
+        raise _unknown(state)
+    return int(state.appended)  # type: ignore[attr-defined]
+
+
+@singledispatch
+def commit_rows(state: Any, counts: tuple[int, ...], checkpoints: Any) -> Any:
+    """Keep the first counts[b] tokens of the last forward in row b (0 <= counts[b] <= appended)."""
+    raise _unknown(state)
+
+
+@singledispatch
+def take_rows(state: Any, rows: tuple[int, ...]) -> Any:
+    """Gather rows (indices already checked), keeping the layout (padding) and any pending
+    forward (`appended` and its rollback record)."""
+    raise _unknown(state)
+
+
+@singledispatch
+def filter_rows(state: Any, rows: tuple[int, ...]) -> Any:
+    """Gather rows, then drop the left padding every kept row shares (mlx-lm's `filter`)."""
+    return take_rows(state, rows)
+
+
+@singledispatch
+def merge_states(first: Any, rest: Sequence[Any]) -> Any:
+    """Batch `[first, *rest]` (one kind and config, already checked) with left padding. The
+    pending forward is kept when every input has the same `appended`, else dropped."""
+    raise _unknown(first)
+
+
+@singledispatch
+def extend_states(a: Any, b: Any) -> Any:
+    """Rows of `a` then rows of `b`, re-aligned (pending forward: as `merge_states`)."""
+    return merge_states(a, [b])
+
+
+@singledispatch
+def extract_row(state: Any, row: int) -> Any:
+    """Row `row` as an unpadded single-sequence state, keeping any pending forward."""
+    raise _unknown(state)
+
+
+@singledispatch
+def config_of(state: Any) -> dict[str, Any]:
+    """What must agree for states to be merged, by name: kind, statics, dtypes, head shapes.
+    None (an empty state's unknown dtype or head dims) matches anything."""
+    raise _unknown(state)
+
+
+@singledispatch
+def fit_config_of(state: Any) -> dict[str, Any]:
+    """What must agree for a state to fit a model's layer (default: `config_of`). A kind
+    that can stand in for another (QuantizedKV for DenseKV) answers with that kind's."""
+    return config_of(state)
+
+
+@singledispatch
+def problems(state: Any, values: bool) -> list[str]:
+    """Every inconsistency of one state, as messages naming its fields (shapes disagree,
+    a length past the capacity, a count out of range, a float where ints belong...).
+    `values=True` also reads the small per-row bookkeeping arrays (one host sync)."""
+    raise _unknown(state)
+
+
+@singledispatch
+def record_forward(state: Any, before: Any, n: int) -> Any:
+    """The state a forward of `n` tokens produced from `before`, stamped with `appended=n`.
+
+    Call it when you run a model on cache objects yourself (`wrap` does it for you); kinds
+    that can lose entries during a multi-token forward (windows) keep `before`.
+    """
+    return replace(state, appended=n)
+
+
+@singledispatch
+def capabilities_of(state: Any) -> Capabilities:
+    """What this state can do (default: what its kind declared)."""
+    if not isinstance(state, State):
+        raise _unknown(state)
+    caps: Capabilities = type(state).__kvstate_capabilities__  # type: ignore[attr-defined]
+    return caps
+
+
+REQUIRED = (
+    batch_size_of,
+    commit_rows,
+    take_rows,
+    merge_states,
+    extract_row,
+    config_of,
+    problems,
+)
+"""The generic functions every kind must register (the others have defaults)."""
+
+
+def implements(cls: type, fn: Any) -> bool:
+    """Whether `cls` has its own (or an inherited non-default) implementation of `fn`."""
+    return fn.dispatch(cls) is not fn.dispatch(object)
+
+
+# ---------------------------------------------------------------------------------------
+# Composites map over their parts: once, here, for every Composite subclass.
+# ---------------------------------------------------------------------------------------
+
+
+def _map(state: Composite, fn: Callable[[Any], Any]) -> Any:
+    return _agreeing(with_parts(state, tuple(fn(p) for p in state.parts)))
+
+
+def _agreeing(state: Composite) -> Any:
+    """Parts decide one by one whether a row transform kept their pending forward (a window
+    may not); if they now disagree, the whole state settles it (commits all of it), since a
+    commit must apply one count to every part."""
+    counts = {appended_of(p) for p in state.parts}
+    if len(counts) <= 1:
+        return state
+    return with_parts(state, tuple(_settled(p) for p in state.parts))
+
+
+def _settled(state: Any) -> Any:
+    """`state` with its pending forward accepted in full (no checkpoints are needed)."""
+    n = appended_of(state)
+    return commit_rows(state, (n,) * batch_size_of(state), None) if n else state
+
+
+@batch_size_of.register
+def _(state: Composite) -> int:
+    sizes = [batch_size_of(p) for p in state.parts]
+    return max(sizes) if sizes else 1
+
+
+@appended_of.register
+def _(state: Composite) -> int:
+    counts = [appended_of(p) for p in state.parts]
+    return max(counts) if counts else 0
+
+
+@commit_rows.register
+def _(state: Composite, counts: tuple[int, ...], checkpoints: Any) -> Any:
+    parts = state.parts
+    per_part = checkpoints if checkpoints is not None else (None,) * len(parts)
+    require(
+        isinstance(per_part, (tuple, list)) and len(per_part) == len(parts),
+        CommitError,
+        f"checkpoints for a {type(state).__name__} of {len(parts)} parts must be a tuple of "
+        f"{len(parts)} entries; got "
+        f"{f'{len(per_part)} entries' if isinstance(per_part, (tuple, list)) else repr(per_part)}"
+        ". Pass the checkpoints the capturing forward of this same state returned",
+    )
+    return with_parts(
+        state, tuple(commit_rows(p, counts, c) for p, c in zip(parts, per_part, strict=True))
+    )
+
+
+@take_rows.register
+def _(state: Composite, rows: tuple[int, ...]) -> Any:
+    return _map(state, lambda p: take_rows(p, rows))
+
+
+@filter_rows.register
+def _(state: Composite, rows: tuple[int, ...]) -> Any:
+    return _map(state, lambda p: filter_rows(p, rows))
+
+
+@merge_states.register
+def _(first: Composite, rest: Sequence[Any]) -> Any:
+    columns = zip(first.parts, *(r.parts for r in rest), strict=True)
+    return _agreeing(with_parts(first, tuple(merge_states(c[0], c[1:]) for c in columns)))
+
+
+@extend_states.register
+def _(a: Composite, b: Any) -> Any:
+    pairs = zip(a.parts, b.parts, strict=True)
+    return _agreeing(with_parts(a, tuple(extend_states(x, y) for x, y in pairs)))
+
+
+@extract_row.register
+def _(state: Composite, row: int) -> Any:
+    return _map(state, lambda p: extract_row(p, row))
+
+
+@config_of.register
+def _(state: Composite) -> dict[str, Any]:
+    return {"kind": type(state).__name__, "parts": tuple(config_of(p) for p in state.parts)}
+
+
+@fit_config_of.register
+def _(state: Composite) -> dict[str, Any]:
+    return {"kind": type(state).__name__, "parts": tuple(fit_config_of(p) for p in state.parts)}
+
+
+@record_forward.register
+def _(state: Composite, before: Any, n: int) -> Any:
+    pairs = zip(state.parts, before.parts, strict=True)
+    return with_parts(state, tuple(record_forward(s, b, n) for s, b in pairs))
+
+
+@capabilities_of.register
+def _(state: Composite) -> Capabilities:
+    caps = Capabilities()
+    for p in state.parts:
+        caps = caps & capabilities_of(p)
+    return caps
+
+
+@problems.register
+def _(state: Composite, values: bool) -> list[str]:
+    field = type(state)._parts_field
+    parts = state.parts
+    if not isinstance(parts, tuple):
+        return [f"{field}: must be a tuple of states; got a {type(parts).__name__}"]
+    found = []
+    for i, p in enumerate(parts):
+        if not isinstance(p, State) or isinstance(p, type(state)):
+            found.append(f"{field}[{i}]: a {type(p).__name__} cannot be a part here")
+            continue
+        found += [f"{field}[{i}].{m}" for m in problems(p, values)]
+    if found:
+        return found
+    return _parts_agree(state, field)
+
+
+def _parts_agree(state: Composite, field: str) -> list[str]:
+    """Every part has the composite's batch (a part that holds no arrays yet has none) and
+    the same pending forward (commit_prefix keeps counts of it in every part)."""
+    batch = batch_size_of(state)
+    appended = {appended_of(p) for p in state.parts}
+    found = [
+        f"{field}[{i}]: batch {batch_size_of(p)}, but other parts have {batch}"
+        for i, p in enumerate(state.parts)
+        if batch_size_of(p) != batch and tree_leaves(p)
+    ]
+    if len(appended) > 1:
+        found.append(
+            f"{field}: the parts' last forward appended {sorted(appended)} tokens; every part "
+            "of one state saw the same forward, so they must agree"
+        )
+    return found
