@@ -18,5 +18,5 @@ def layer_mismatches(expected: tuple[dict[str, Any], ...], state: ModelState) ->
     for i, (want, layer) in enumerate(zip(expected, layers, strict=True)):
         got = fit_config_of(layer)
         if got != want:
-            found += [f"{m} (model != state)" for m in config_mismatches(want, got, f"layers[{i}]")]
+            found += config_mismatches(want, got, f"layers[{i}]", ("model", "state"))
     return found

@@ -13,7 +13,7 @@ from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstate import ConfigMismatchError, ModelState, ShapeError, StateError, TokenError, check
-from kvstate.kinds import batch_size_of, fit_config_of, record_forward
+from kvstate.kinds import as_int, batch_size_of, fit_config_of, record_forward
 
 from ._capture import forward_capturing
 from ._convert import from_cache, from_mlx_lm, to_cache
@@ -43,12 +43,12 @@ class WrappedModel:
     def init_state(self, batch_size: int = 1) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
         (batched through mlx-lm's own merge, exactly like its BatchGenerator)."""
-        ok = isinstance(batch_size, (int, np.integer)) and not isinstance(batch_size, bool)
-        if not ok or batch_size < 1:
+        rows = as_int(batch_size, "init_state: batch_size", ShapeError)
+        if rows < 1:
             raise ShapeError(f"init_state: batch_size must be an int >= 1; got {batch_size!r}")
-        if batch_size == 1:
+        if rows == 1:
             return self._ours(from_mlx_lm(make_prompt_cache(self.model)))
-        caches = [make_prompt_cache(self.model) for _ in range(int(batch_size))]
+        caches = [make_prompt_cache(self.model) for _ in range(rows)]
         return self._ours(from_mlx_lm(_merge_caches(caches)))
 
     @property

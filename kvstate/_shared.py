@@ -36,17 +36,29 @@ def array_kv_config(kind: str, keys: Any, values: Any, **statics: Any) -> dict[s
     )
 
 
-def config_mismatches(a: Any, b: Any, path: str = "") -> list[str]:
-    """Every disagreement between two configs, named by its path (e.g. `parts[3].key_dim`).
+def config_mismatches(
+    a: Any, b: Any, path: str = "", labels: tuple[str, str] | None = None
+) -> list[str]:
+    """Every disagreement between two configs, named by its path (e.g. `parts[3].key_dim`):
+    "path: x != y", or with `labels` ("model", "state") "path: model x, state y".
     None (an empty state's unknown dtype or head dims) matches anything."""
     if a is None or b is None:
         return []
     if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
-        return [m for k in a for m in config_mismatches(a[k], b[k], f"{path}.{k}" if path else k)]
+        return [
+            m
+            for k in a
+            for m in config_mismatches(a[k], b[k], f"{path}.{k}" if path else k, labels)
+        ]
     if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
         pairs = enumerate(zip(a, b, strict=True))
-        return [m for i, (x, y) in pairs for m in config_mismatches(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path or 'config'}: {_short(a)} != {_short(b)}"]
+        return [m for i, (x, y) in pairs for m in config_mismatches(x, y, f"{path}[{i}]", labels)]
+    if a == b:
+        return []
+    where = path or "config"
+    if labels is None:
+        return [f"{where}: {_short(a)} != {_short(b)}"]
+    return [f"{where}: {labels[0]} {_short(a)}, {labels[1]} {_short(b)}"]
 
 
 def _short(config: Any) -> str:

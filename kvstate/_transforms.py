@@ -33,6 +33,7 @@ from .kinds import (
     extract_row,
     filter_rows,
     merge_states,
+    refuse_unneeded_checkpoints,
     take_rows,
 )
 
@@ -139,7 +140,9 @@ def commit_prefix(state: S, accepted: Any, checkpoints: Any = None) -> S:
     restore what the forward overwrote; recurrent kinds need `checkpoints`, the value a
     capturing forward (`wrapped(tokens, state, capture=True)`) returned.
     """
-    return commit_rows(state, _counts(state, accepted), checkpoints)
+    counts = _counts(state, accepted)
+    refuse_unneeded_checkpoints(state, checkpoints)
+    return commit_rows(state, counts, checkpoints)
 
 
 def tile(state: S, n: int) -> S:

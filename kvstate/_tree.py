@@ -188,9 +188,14 @@ def _collect(node: Any, leaves: list[mx.array]) -> None:
     elif isinstance(node, (tuple, list)):
         for c in node:
             _collect(c, leaves)
-    elif node is not None:
+    elif isinstance(node, State):
         for name in type(node).__kvstate_children__:
             _collect(getattr(node, name), leaves)
+    elif node is not None:
+        raise StateError(
+            f"a {type(node).__name__} inside a state: children must be mx.array, None, tuples "
+            "of those, or kvstate states"
+        )
 
 
 def tree_leaves(tree: Any) -> list[mx.array]:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, TypeVar, dataclass_transform
 import attrs
 
 from ._errors import CommitError, StateError, require
+from ._ints import as_int
 from ._shared import (
     array_kv_config,
     config_mismatches,
@@ -48,6 +49,7 @@ __all__ = [
     "State",
     "appended_of",
     "array_kv_config",
+    "as_int",
     "config_mismatches",
     "host_ints",
     "implements",
@@ -347,8 +349,23 @@ def _(state: Composite, counts: tuple[int, ...], checkpoints: Any) -> Any:
         f"{f'{len(per_part)} entries' if isinstance(per_part, (tuple, list)) else repr(per_part)}"
         ". Pass the checkpoints the capturing forward of this same state returned",
     )
+    for p, c in zip(parts, per_part, strict=True):
+        refuse_unneeded_checkpoints(p, c)
     return with_parts(
         state, tuple(commit_rows(p, counts, c) for p, c in zip(parts, per_part, strict=True))
+    )
+
+
+def refuse_unneeded_checkpoints(state: Any, checkpoints: Any) -> None:
+    """A part that rolls back without checkpoints gets None (what a capturing forward gives)."""
+    if checkpoints is None or isinstance(state, Composite):
+        return
+    require(
+        capabilities_of(state).needs_checkpoints,
+        CommitError,
+        f"checkpoints for a {type(state).__name__} must be None (it rolls back without them); "
+        f"got {type(checkpoints).__name__}. Pass the checkpoints a capturing forward returned "
+        "for this state, or none",
     )
 
 

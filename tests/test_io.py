@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -38,7 +40,7 @@ from kvstate import (
     RecurrentState,
     RotatingKV,
 )
-from kvstate.adapters import from_mlx_lm, wrap
+from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters._convert import _FROM, to_cache
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.kinds import appended_of, batch_size_of
@@ -535,9 +537,7 @@ def test_mlx_lm_file_of_a_whole_hybrid_model_equals_the_adapters(rows, tmp_path)
 
 
 def test_reads_save_prompt_cache_of_adapter_caches(tmp_path):
-    """to_mlx_lm may hand out adapter subclasses (PackedQuantizedKVCache); their files load."""
-    from kvstate.adapters import to_mlx_lm
-
+    """to_mlx_lm's caches (quantized ones with the packing fix) save under mlx-lm's names."""
     path = str(tmp_path / "prompt.safetensors")
     state = ModelState((SAMPLES["quantized"], SAMPLES["dense"]))
     caches = to_mlx_lm(state)
@@ -546,6 +546,105 @@ def test_reads_save_prompt_cache_of_adapter_caches(tmp_path):
     quantized = back.layers[0]
     assert type(quantized) is QuantizedKV and quantized.appended == 0  # caches have no `appended`
     assert_identical(back, ModelState(tuple(attrs.evolve(s, appended=0) for s in state.layers)))
+
+
+def committed(state: Any) -> Any:
+    """What a state means to mlx-lm: no pending forward (cache objects have no `appended`)."""
+    return ks.commit_prefix(state, appended_of(state))
+
+
+@pytest.mark.parametrize("kind", sorted(set(SAMPLES) - {"every_kind", "model"}))
+def test_mlx_lm_loads_what_save_prompt_cache_writes_from_every_kind(kind, tmp_path):
+    """The way to hand a state to mlx-lm: save_prompt_cache(path, to_mlx_lm(state)). mlx-lm's
+    own load_prompt_cache reads it back (quantized states included: their caches keep the
+    class name QuantizedKVCache), and so does kvstate."""
+    state = ModelState((committed(SAMPLES[kind]),))
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, to_mlx_lm(state))
+    theirs = load_prompt_cache(path)
+    assert [type(c).__name__ for c in theirs] == [type(c).__name__ for c in to_mlx_lm(state)]
+    for c in theirs:  # mlx-lm's from_state skips the __init__ that sets _lengths
+        if isinstance(c, BatchRotatingKVCache) and not hasattr(c, "_lengths"):
+            c._lengths = None
+    expected = ModelState(
+        tuple(attrs.evolve(s, previous=None) if hasattr(s, "previous") else s for s in state.layers)
+    )
+    assert_identical(from_mlx_lm(theirs), expected)
+    assert_identical(ks.load(path), expected)
+
+
+def test_mlx_lm_cannot_read_kvstate_files_and_says_so_in_the_readme(tmp_path):
+    """A kvstate file is not an mlx-lm prompt cache (it holds what mlx-lm has no field for:
+    pending forwards, rollback records); the README says how to export instead."""
+    path = str(tmp_path / "state.safetensors")
+    ks.save(path, SAMPLES["model"])
+    with pytest.raises(ValueError):
+        load_prompt_cache(path)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "save_prompt_cache(path, to_mlx_lm(state))" in readme
+
+
+def test_a_renamed_tensor_cannot_make_a_huge_list(tmp_path):
+    """Renaming tensor 0.0 to 0.1000000000 used to build a list of 10^9 entries."""
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, [filled(KVCache(), [2])])
+    rewrite(path, arrays=lambda t: t.update({"0.1000000000": t.pop("0.0")}))
+    started = time.perf_counter()
+    expect_error(path, "'0.1000000000'", "points past")
+    assert time.perf_counter() - started < 5
+
+
+def test_a_deeply_nested_tensor_name_is_refused(tmp_path):
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, [filled(KVCache(), [2])])
+    rewrite(path, arrays=lambda t: t.update({".".join(["0"] * 3000): t.pop("0.0")}))
+    expect_error(path, "not an mlx-lm prompt-cache path")
+
+
+def test_a_deeply_nested_kvstate_description_is_refused(tmp_path):
+    path = str(tmp_path / "s.safetensors")
+    ks.save(path, SAMPLES["dense"])
+
+    def nest(doc):
+        node: Any = None
+        for _ in range(200):
+            node = {"tuple": [node]}
+        doc["tree"] = node
+
+    rewrite(path, body=nest)
+    expect_error(path, "nests deeper than")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    path = str(tmp_path / "pipe.safetensors")
+    os.mkfifo(path)
+    expect_error(path, "not a regular file")
+    expect_error(str(tmp_path), "not a regular file")
+
+
+def test_a_corrupted_mlx_lm_counter_is_caught_by_the_state_check(tmp_path):
+    """mlx-lm files carry no checksums: a flipped byte in a counter gave length=6094854."""
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, [filled(KVCache(), [3])])
+    rewrite(path, arrays=lambda t: t.update({"0.2": mx.array(6094854)}))
+    expect_error(path, "inconsistent", "length: 6094854 is out of range")
+
+
+@pytest.mark.parametrize("version", ["01", "\uff11", "1 ", "+1", "1.0", ""])
+def test_versions_are_plain_ascii_integers(saved, version):
+    rewrite(saved, meta=lambda h: h.update({"kvstate.version": version}))
+    expect_error(saved, "positive integer")
+
+
+def test_a_kvstate_file_whose_state_is_inconsistent_is_refused(saved):
+    """Checksums are not a signature: a rewritten, re-hashed file still passes kvstate.check."""
+
+    def edit(doc):
+        doc["tree"]["children"]["layers"]["tuple"][0]["statics"]["length"] = 10**6
+
+    rewrite(saved, body=edit)
+    expect_error(saved, "inconsistent ModelState", "layers[0].length: 1000000 is out of range")
 
 
 def test_mlx_lm_file_with_an_unknown_cache_class(tmp_path):
