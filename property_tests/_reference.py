@@ -16,9 +16,9 @@ import numpy as np
 from mlx_lm.models.cache import ChunkedKVCache
 
 import kvstate as ks
-from kvstate import tree_flatten
 from kvstate.adapters import from_mlx_lm, to_mlx_lm
 from kvstate.kinds import record_forward
+from kvstate.testing import assert_states_equal, frozen_copy
 
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
 
@@ -30,30 +30,8 @@ def bits(a: mx.array) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------
-# Frozen copies: no transform and no forward may ever change a state it was given.
+# No transform and no forward may ever change a state it was given.
 # ---------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Frozen:
-    """Bit-exact numpy copies of every array of a state, plus its TreeDef (statics)."""
-
-    arrays: tuple[np.ndarray, ...]
-    treedef: Any
-
-
-def freeze(state: Any) -> Frozen:
-    leaves, treedef = tree_flatten(ks.eval(state))
-    return Frozen(tuple(bits(a) for a in leaves), treedef)
-
-
-def assert_unchanged(state: Any, before: Frozen, what: str = "state") -> None:
-    now = freeze(state)
-    assert now.treedef == before.treedef, f"{what}: structure or statics changed"
-    assert len(now.arrays) == len(before.arrays), f"{what}: number of arrays changed"
-    for i, (a, b) in enumerate(zip(now.arrays, before.arrays, strict=True)):
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: array {i} reshaped"
-        assert np.array_equal(a, b), f"{what}: array {i} changed in place"
 
 
 class Witness:
@@ -61,15 +39,15 @@ class Witness:
     that none of them ever changes afterwards (transforms are pure; MLX arrays are not)."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[Any, Frozen, str]] = []
+        self.seen: list[tuple[Any, Any, str]] = []
 
     def hold(self, state: Any, what: str) -> Any:
-        self.seen.append((state, freeze(state), what))
+        self.seen.append((state, frozen_copy(state), what))
         return state
 
     def check(self) -> None:
         for state, frozen, what in self.seen:
-            assert_unchanged(state, frozen, what)
+            assert_states_equal(state, frozen, what=f"{what} changed in place")
 
 
 # ---------------------------------------------------------------------------------------

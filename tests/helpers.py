@@ -1,4 +1,4 @@
-"""Shared test helpers: oracles built from mlx-lm's own caches, and bitwise state checks."""
+"""Shared test helpers: oracles built from mlx-lm's own caches."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import _merge_caches, _right_pad_prompts, generate_step
 from mlx_lm.models.cache import make_prompt_cache
-
-import kvstate as ks
-from kvstate import tree_flatten
 
 
 def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -78,17 +75,3 @@ def assert_teacher_forced_logits_match(
         logits, state = wrapped(mx.array([tokens[at : at + size]]), state)
         np.testing.assert_allclose(np.array(logits), ref, rtol=tol, atol=tol)
         at += size
-
-
-def frozen_copy(state: Any) -> tuple[list[np.ndarray], Any]:
-    """Numpy copies of every array plus the TreeDef: compare later with `assert_unchanged`."""
-    leaves, treedef = tree_flatten(ks.eval(state))
-    return [np.array(a.view(mx.uint8) if a.dtype == mx.bfloat16 else a) for a in leaves], treedef
-
-
-def assert_unchanged(state: Any, before: tuple[list[np.ndarray], Any]) -> None:
-    arrays, treedef = frozen_copy(state)
-    assert treedef == before[1], "the state's structure or statics changed"
-    assert len(arrays) == len(before[0])
-    for now, then in zip(arrays, before[0], strict=True):
-        np.testing.assert_array_equal(now, then)

@@ -13,7 +13,8 @@ from mlx_lm.models.cache import ChunkedKVCache, make_prompt_cache
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.kinds import record_forward
-from tests.helpers import assert_unchanged, frozen_copy, greedy_reference, raw_logits
+from kvstate.testing import assert_states_equal, frozen_copy
+from tests.helpers import greedy_reference, raw_logits
 
 CHUNK = 8
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 3, 4]  # longer than a chunk
@@ -130,8 +131,8 @@ def test_commit_prefix_is_exact(model, prompt_len, accepted):
     logits, _ = m(mx.array([FOLLOW]), committed)
     np.testing.assert_allclose(np.array(logits), expected, rtol=1e-5, atol=1e-5)
 
-    assert_unchanged(state, before_verify)
-    assert_unchanged(verified, after_verify)
+    assert_states_equal(state, before_verify)
+    assert_states_equal(verified, after_verify)
 
 
 def test_rejecting_a_single_token_forward_gives_the_same_future(model):
@@ -187,7 +188,7 @@ def test_update_sequences_match_chunked_kv_cache(steps):
         cache = to_mlx_lm(state)
         llama4_step(cache, keys, values)
         verified = record_forward(from_mlx_lm(cache), state, n)
-        assert_unchanged(state, frozen)
+        assert_states_equal(state, frozen)
         assert verified.appended == n and (verified.previous is not None) == (n > 1)
         state = ks.commit_prefix(verified, accepted)
         if accepted:

@@ -11,11 +11,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters.tiny_models import tiny_model
+from kvstate.testing import assert_states_equal, frozen_copy
 from tests.helpers import (
     assert_teacher_forced_logits_match,
-    assert_unchanged,
     decode_side_by_side,
-    frozen_copy,
     greedy_reference,
     mlx_lm_batch_prefill,
     raw_logits,
@@ -171,7 +170,7 @@ def test_round_trip_through_mlx_lm_is_identity_and_never_shares_arrays(model):
         back = to_mlx_lm(state)
         again = from_mlx_lm(back)
         before = frozen_copy(state)
-        assert_unchanged(again, before)
+        assert_states_equal(again, before)
         for layer, cache in zip(state.layers, back, strict=True):
             assert layer.keys is not cache.keys and layer.values is not cache.values
 
@@ -194,7 +193,7 @@ def test_no_transform_and_no_forward_changes_its_input(model):
         ks.snapshot(verified),
     ]
     ks.eval(results)
-    assert_unchanged(verified, before)
+    assert_states_equal(verified, before)
 
 
 def test_kept_state_is_copied_on_write_and_rebound_state_is_updated_in_place():
@@ -252,7 +251,7 @@ def test_bad_accepted_counts_raise_commit_error(verified, accepted, match):
     before = frozen_copy(verified)
     with pytest.raises(ks.CommitError, match=match):
         ks.commit_prefix(verified, accepted)
-    assert_unchanged(verified, before)
+    assert_states_equal(verified, before)
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,8 @@ from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import wrap
 from kvstate.adapters._wrap import WrappedModel
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from tests.helpers import (
-    assert_teacher_forced_logits_match,
-    assert_unchanged,
-    frozen_copy,
-    greedy_reference,
-)
+from kvstate.testing import assert_states_allclose, assert_states_equal, frozen_copy
+from tests.helpers import assert_teacher_forced_logits_match, greedy_reference
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8]
 DRAFT = [11, 12, 13, 14]
@@ -104,13 +100,10 @@ def test_capturing_forward_equals_the_plain_forward(model, path, verified):
     runs the recurrent mixers token by token, so equal up to rounding."""
     state, logits, after, checkpoints = verified
     plain_logits, plain = wrap(model)(mx.array([DRAFT]), state)
-    ours, theirs = frozen_copy((logits, after)), frozen_copy((plain_logits, plain))
-    assert ours[1] == theirs[1]
-    for a, b in zip(ours[0], theirs[0], strict=True):
-        if path == "replay":
-            np.testing.assert_array_equal(a, b)
-        else:
-            np.testing.assert_allclose(a, b, **TOL)
+    if path == "replay":
+        assert_states_equal((logits, after), (plain_logits, plain))
+    else:
+        assert_states_allclose((logits, after), (plain_logits, plain), **TOL)
     (ref,) = mlx_lm_logits(model, [PROMPT, DRAFT])[1:]
     np.testing.assert_allclose(np.array(logits), ref, **TOL)
     # Entry 0 of a checkpoint is the state before the verify, entry K the state after it.
@@ -135,7 +128,7 @@ def test_commit_with_checkpoints_equals_decoding_only_the_accepted_prefix(
     _, _, after, checkpoints = verified
     before = frozen_copy((after, checkpoints))
     state = ks.commit_prefix(after, accepted, checkpoints)
-    assert_unchanged((after, checkpoints), before)
+    assert_states_equal((after, checkpoints), before)
     m = wrap(model)
     got = []
     for t in FOLLOW:
@@ -152,11 +145,11 @@ def test_commit_without_checkpoints_raises_unless_everything_is_kept(model, veri
     before = frozen_copy(after)
     with pytest.raises(ks.CheckpointRequiredError, match=r"capture=True.*checkpoints"):
         ks.commit_prefix(after, 2)
-    assert_unchanged(after, before)
+    assert_states_equal(after, before)
     kept = ks.commit_prefix(after, len(DRAFT))  # nothing to roll back: no checkpoints needed
     assert ks.commit_prefix(kept, 0) is not None  # appended is 0 now: committing 0 is a no-op
-    for now, then in zip(frozen_copy(kept)[0], before[0], strict=True):
-        np.testing.assert_array_equal(now, then)
+    # The same arrays as before (only the pending count differs).
+    assert_states_equal(ks.tree_flatten(kept)[0], ks.tree_flatten(before)[0])
 
 
 def test_known_mixers_need_no_replay_and_get_their_classes_back(model, monkeypatch):

@@ -13,7 +13,7 @@ import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters._quantized import packed_quantized_cache, packed_update_and_fetch
 from kvstate.adapters.tiny_models import tiny_model
-from tests.helpers import assert_unchanged, frozen_copy
+from kvstate.testing import assert_states_equal, frozen_copy
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 3, 4]
 DRAFT = [11, 12, 13, 14]
@@ -123,8 +123,8 @@ def test_commit_prefix_equals_decoding_only_the_accepted_prefix(model, accepted)
     assert all(layer.appended == 0 for layer in committed.layers)
     # Neither the input of the verify nor the verified state changed, though the follow-up
     # forward wrote into the buffer they share with `committed`.
-    assert_unchanged(state, before_verify)
-    assert_unchanged(verified, after_verify)
+    assert_states_equal(state, before_verify)
+    assert_states_equal(verified, after_verify)
 
 
 def test_ragged_commit_raises_naming_the_fix(model):
@@ -267,7 +267,7 @@ def test_quantize_matches_kv_cache_to_quantized(model):
         assert (layer.length, layer.bits, layer.group_size) == (ref.offset, 6, 32)
         assert_same_triples(layer.keys, ref.keys, ref.offset)
         assert_same_triples(layer.values, ref.values, ref.offset)
-    assert_unchanged(dense, frozen)
+    assert_states_equal(dense, frozen)
 
 
 def test_quantize_refuses_what_it_cannot_represent(model):
@@ -303,7 +303,7 @@ def test_merge_tile_extract_against_single_sequence_caches(model):
         assert extracted.length == caches[2].offset
         assert_same_triples(extracted.keys, caches[2].keys, caches[2].offset)
     for s, f in zip(singles, frozen, strict=True):
-        assert_unchanged(s, f)
+        assert_states_equal(s, f)
 
     tiled = ks.tile(singles[0], 3)
     assert ks.batch_size(tiled) == 3

@@ -13,12 +13,8 @@ import kvstate as ks
 from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters.tiny_models import tiny_model
-from tests.helpers import (
-    assert_unchanged,
-    decode_side_by_side,
-    frozen_copy,
-    mlx_lm_batch_prefill,
-)
+from kvstate.testing import assert_states_equal, frozen_copy
+from tests.helpers import decode_side_by_side, mlx_lm_batch_prefill
 
 PROMPTS = [[5, 9, 200, 14, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9], [66, 12, 130]]
 
@@ -91,7 +87,7 @@ def test_merge_matches_arrays_cache_merge_with_zeros_for_missing_arrays():
     before = frozen_copy(states)
     merged = ks.merge(states)
     assert_matches(merged, ArraysCache.merge(caches))
-    assert_unchanged(states, before)
+    assert_states_equal(states, before)
     # ArraysCache.merge takes batch-1 caches; merging batched states stacks their rows.
     halves = ks.merge([ks.merge(states[:2]), ks.merge(states[2:])])
     assert_matches(halves, ArraysCache.merge(caches))
@@ -126,7 +122,7 @@ def test_filter_extend_extract_match_arrays_cache():
 
     for row in range(3):
         assert_matches(ks.extract(kept, row), a.extract(row))
-    assert_unchanged((sa, sb), before)
+    assert_states_equal((sa, sb), before)
 
 
 def test_filter_extend_extract_match_after_a_batched_prompt(model):
@@ -186,7 +182,7 @@ def test_batched_prompts_decode_like_mlx_lm_batch_generation(model):
     empty = m.init_state(3)
     before = frozen_copy(empty)
     logits, state = m(_right_pad_prompts(prefix), empty, lengths=[len(p) for p in prefix])
-    assert_unchanged(empty, before)  # ArraysCache.advance's `-=` never reaches a state
+    assert_states_equal(empty, before)  # ArraysCache.advance's `-=` never reaches a state
     np.testing.assert_allclose(np.array(logits), np.array(ref_logits), rtol=1e-5, atol=1e-5)
     for layer, cache in zip(state.layers, caches, strict=True):
         assert_matches(layer, cache)
@@ -213,7 +209,7 @@ def test_round_trip_through_mlx_lm_is_identity_and_never_shares_arrays(model):
     for state in (batched, single, empty, with_bookkeeping):
         before = frozen_copy(state)
         back = to_mlx_lm(state)
-        assert_unchanged(from_mlx_lm(back), before)
+        assert_states_equal(from_mlx_lm(back), before)
         layers = state.layers if isinstance(state, ks.ModelState) else (state,)
         caches = back if isinstance(back, list) else [back]
         for layer, cache in zip(layers, caches, strict=True):
@@ -241,7 +237,7 @@ def test_cache_list_round_trip_keeps_its_parts():
     back = to_mlx_lm(state)
     assert isinstance(back[0], CacheList)
     assert [type(c) for c in back[0].caches] == [ArraysCache, KVCache]
-    assert_unchanged(from_mlx_lm(back), frozen_copy(state))
+    assert_states_equal(from_mlx_lm(back), frozen_copy(state))
 
 
 def test_mlx_lm_writes_into_a_converted_cache_never_reach_the_state():
@@ -254,7 +250,7 @@ def test_mlx_lm_writes_into_a_converted_cache_never_reach_the_state():
     cache.advance(5)  # `self.lengths -= 5`, `self.left_padding -= 5`: in place
     cache[0][0:1] = mx.ones((1, 3, 8))
     cache.filter([1])
-    assert_unchanged(state, before)
+    assert_states_equal(state, before)
 
 
 def test_no_transform_and_no_capturing_forward_changes_its_input(model):
@@ -263,7 +259,7 @@ def test_no_transform_and_no_capturing_forward_changes_its_input(model):
     merged = ks.merge(singles)
     before = frozen_copy(merged)
     _, verified, checkpoints = m(mx.array([[1, 2, 3]] * 3), merged, capture=True)
-    assert_unchanged(merged, before)
+    assert_states_equal(merged, before)
     snap = frozen_copy((verified, checkpoints))
     ks.commit_prefix(verified, [0, 3, 1], checkpoints)
     ks.commit_prefix(verified, 3)
@@ -272,7 +268,7 @@ def test_no_transform_and_no_capturing_forward_changes_its_input(model):
     ks.extract(verified, 1)
     ks.tile(verified, 2)
     ks.merge([verified, verified])
-    assert_unchanged((verified, checkpoints), snap)
+    assert_states_equal((verified, checkpoints), snap)
 
 
 # ---------------------------------------------------------------------------------------

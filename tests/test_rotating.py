@@ -26,6 +26,7 @@ from mlx_lm.models.cache import (
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
+from kvstate.testing import assert_states_equal, frozen_copy
 
 WINDOW = 8
 ATOL, RTOL = 2e-4, 1e-4
@@ -165,6 +166,28 @@ def _continue_and_compare(m: Any, model: Any, state: Any, cache: Any, what: str)
     close(l2[:, :1], r2, f"{what}: multi-token after commit")
     close(l3, r3, f"{what}: 1-token after second commit")
     close(l4, r4, f"{what}: 2-token forward")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_two_token_verify_on_a_full_window_keeps_its_rollback_record(model: Any, rows: int):
+    """A 2-token forward on a full window pushes entries out; the state keeps the window
+    before it (`previous`), and rejecting both tokens gives exactly that window back."""
+    m = wrap(model)
+    prompts = [tokens(7 + r, WINDOW + 3 + r) for r in range(rows)]
+    state = ks.merge([m(mx.array([p]), m.init_state())[1] for p in prompts])
+    state = m(mx.array([[1]] * rows), state)[1]  # a decode step: the ring has wrapped
+    verified = m(mx.array([[2, 3]] * rows), state)[1]
+    for before, after in zip(rotating_layers(state), rotating_layers(verified), strict=True):
+        assert after.appended == 2 and after.previous is not None
+        rolled_back = ks.commit_prefix(after, 0)
+        assert_states_equal(rolled_back, ks.commit_prefix(before, before.appended))
+    # And the model decodes on from each prefix as mlx-lm does on the un-speculated tokens.
+    for accepted, kept in ((0, []), (1, [2])):
+        state_after = ks.commit_prefix(verified, accepted)
+        got = m(mx.array([[9]] * rows), state_after)[0]
+        for r, p in enumerate(prompts):
+            want = reference(model, [p, [1], *([t] for t in kept), [9]])[-1]
+            close(got[r : r + 1], want, f"row {r}, accepted {accepted}")
 
 
 def test_commit_after_one_token(model: Any) -> None:
@@ -471,20 +494,6 @@ def test_batched_cache_through_mlx_lm_save_load(model: Any, tmp_path: Any) -> No
         assert _same(_fields(to_mlx_lm(ours)), _fields(to_mlx_lm(back)))
 
 
-def _frozen_copy(state: Any) -> tuple[Any, list[np.ndarray]]:
-    ks.eval(state)
-    return ks.tree_flatten(state)[1], [np.array(a) for a in ks.tree_flatten(state)[0]]
-
-
-def _assert_unchanged(state: Any, before: tuple[Any, list[np.ndarray]], what: str) -> None:
-    ks.eval(state)
-    treedef, arrays = before
-    assert ks.tree_flatten(state)[1] == treedef, f"{what} changed the statics of its input"
-    for i, (a, b) in enumerate(zip(ks.tree_flatten(state)[0], arrays, strict=True)):
-        now = np.array(a)
-        assert now.dtype == b.dtype and np.array_equal(now, b), f"{what} changed leaf {i}"
-
-
 def test_nothing_changes_its_input(model: Any) -> None:
     m = wrap(model)
     prompts = [tokens(40 + n, n) for n in (5, 12, 9)]
@@ -520,10 +529,9 @@ def test_nothing_changes_its_input(model: Any) -> None:
         ("snapshot", single, ks.snapshot),
     ]
     for what, state, fn in cases:
-        before = _frozen_copy(state)
-        out = fn(state)
-        ks.eval(out)
-        _assert_unchanged(state, before, what)
+        before = frozen_copy(state)
+        ks.eval(fn(state))
+        assert_states_equal(state, before, what=f"{what} changed its input")
     # the tiled ragged commit (unpadded form -> batched form) is right as well
     tiled = ks.commit_prefix(ks.tile(verified_single, 2), [1, 3])
     x = mx.array([[7], [8]])

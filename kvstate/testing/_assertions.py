@@ -14,18 +14,19 @@ from .._tree import State, eval, tree_map
 Compare = Callable[[mx.array, mx.array], str | None]
 
 
-def assert_states_equal(actual: Any, expected: Any) -> None:
+def assert_states_equal(actual: Any, expected: Any, *, what: str = "") -> None:
     """`actual` and `expected` are the same kind and structure, with equal statics and
     bit-for-bit equal arrays (capacity past a length included; NaNs equal when their bits
-    are). Raises AssertionError listing every mismatch by path (`layers[2].keys: ...`)."""
-    _assert(actual, expected, _bitwise)
+    are). Raises AssertionError listing every mismatch by path (`layers[2].keys: ...`),
+    prefixed with `what`. Works on states, arrays and tuples / lists of them."""
+    _assert(actual, expected, _bitwise, what)
 
 
 def assert_states_allclose(
-    actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-5
+    actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-5, what: str = ""
 ) -> None:
     """As `assert_states_equal`, with arrays compared by `|a - e| <= atol + rtol * |e|`."""
-    _assert(actual, expected, lambda a, e: _close(a, e, rtol, atol))
+    _assert(actual, expected, lambda a, e: _close(a, e, rtol, atol), what)
 
 
 def frozen_copy(state: Any) -> Any:
@@ -34,12 +35,13 @@ def frozen_copy(state: Any) -> Any:
     return eval(tree_map(lambda a: mx.array(a), eval(state)))
 
 
-def _assert(actual: Any, expected: Any, compare: Compare) -> None:
+def _assert(actual: Any, expected: Any, compare: Compare, what: str) -> None:
     found = _differences(eval(actual), eval(expected), "", compare)
     if found:
         shown = "\n  ".join(found[:30])
         more = f"\n  ... and {len(found) - 30} more" if len(found) > 30 else ""
-        raise AssertionError(f"states differ in {len(found)} place(s):\n  {shown}{more}")
+        prefix = f"{what}: " if what else ""
+        raise AssertionError(f"{prefix}states differ in {len(found)} place(s):\n  {shown}{more}")
 
 
 def _differences(a: Any, e: Any, path: str, compare: Compare) -> list[str]:

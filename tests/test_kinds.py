@@ -1,0 +1,86 @@
+"""The kind contract: every registered kind provides what the contract asks, every list of
+kinds is derived from registration, and a new kind needs nothing but its own module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvstate as ks
+from kvstate import kinds
+from kvstate.adapters._convert import _FROM, to_cache
+from kvstate.testing import STRATEGIES
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY_KINDS = [k for k in kinds.kinds() if k.__module__.startswith("kvstate.")]
+
+
+def test_the_library_registers_its_kinds():
+    names = {k.__name__ for k in LIBRARY_KINDS}
+    assert names == {
+        "DenseKV", "RotatingKV", "ChunkedKV", "QuantizedKV", "RecurrentState",
+        "ListState", "ModelState",
+    }  # fmt: skip
+    assert {k.__name__ for k in kinds.layer_kinds()} >= names - {"ListState", "ModelState"}
+
+
+@pytest.mark.parametrize("kind", LIBRARY_KINDS, ids=lambda k: k.__name__)
+def test_every_kind_implements_the_required_functions(kind):
+    missing = [fn.__name__ for fn in kinds.REQUIRED if not kinds.implements(kind, fn)]
+    assert not missing, f"{kind.__name__} does not register {missing}"
+    assert isinstance(ks.capabilities(kind()), kinds.Capabilities)
+
+
+@pytest.mark.parametrize("kind", kinds.layer_kinds(), ids=lambda k: k.__name__)
+def test_every_layer_kind_has_a_strategy_and_an_adapter(kind):
+    if not kind.__module__.startswith("kvstate."):
+        pytest.skip("a kind defined outside the library")
+    assert kind in STRATEGIES
+    assert kinds.implements(kind, to_cache), f"no to_mlx_lm for {kind.__name__}"
+    assert any(_converts_to(f, kind) for f in _FROM.values()), f"no from_mlx_lm for {kind}"
+
+
+def _converts_to(convert, kind) -> bool:
+    return convert.__annotations__.get("return") in (kind.__name__, kind)
+
+
+def test_composites_expose_their_parts_under_one_name():
+    dense = ks.DenseKV()
+    for composite in (ks.ListState((dense, dense)), ks.ModelState((dense,))):
+        assert composite.parts == (getattr(composite, type(composite)._parts_field))
+        assert kinds.with_parts(composite, ()).parts == ()
+
+
+def test_a_kind_name_cannot_be_registered_twice():
+    with pytest.raises(TypeError, match="already registered"):
+
+        @kinds.state_class()
+        class DenseKV(kinds.State):
+            pass
+
+
+def test_a_state_class_must_subclass_state():
+    with pytest.raises(TypeError, match="must subclass"):
+
+        @kinds.state_class()
+        class Loose:
+            pass
+
+
+def test_a_new_kind_in_one_file_works_with_every_transform_and_save_load():
+    """examples/custom_kind.py declares a kind and registers its functions and strategy; the
+    transforms, check, save/load, composites and strategies then work on it. (A separate
+    process: the registry of this one stays the library's.)"""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_kind.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("ok")
+    assert "TokenHistory" in run.stdout
