@@ -1,4 +1,4 @@
-"""The README's promises: its code example runs, and the demo's speculative decode is exact."""
+"""The README's promises: its commands, its decode loop, and the demo's exact speculation."""
 
 from __future__ import annotations
 
@@ -7,23 +7,42 @@ from pathlib import Path
 
 import pytest
 
+from kvstate.adapters.tiny_models import tiny_model
+from tests.helpers import greedy_reference
+
 ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
 
 
-def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## A custom decode loop", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "the README lost its decode-loop example"
+def code_after(heading: str, language: str) -> str:
+    section = README.split(heading, 1)[1]
+    match = re.search(rf"```{language}\n(.*?)```", section, re.S)
+    assert match, f"the README lost its code block after {heading!r}"
     return match.group(1)
 
 
-def test_readme_decode_loop_example_runs():
+def test_readme_decode_loop_accepts_drafts_and_gives_greedy_tokens(capsys):
     namespace: dict = {}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(
+        compile(code_after("## A speculative decode loop", "python"), "README.md", "exec"),
+        namespace,
+    )
+    tokens, accepted = namespace["tokens"], namespace["accepted"]
+    printed = capsys.readouterr().out
+    assert f"{accepted} drafted tokens accepted: {tokens}" in printed
+    assert accepted > 0
+    # The oracle: mlx-lm's own greedy decode of the same model and prompt.
+    want = greedy_reference(tiny_model("qwen3_next"), [1, 2, 3, 4], len(tokens))
+    assert tokens == want
+    assert str(accepted) in README and f"[{', '.join(map(str, tokens[:3]))}, ...]" in README
     ks = namespace["ks"]
     assert ks.batch_size(namespace["beams"]) == 4
-    assert namespace["state"].layers[0].appended == 0  # every verify was committed
+    assert ks.kinds.appended_of(namespace["state"]) == 0  # every verify was committed
+
+
+def test_ci_runs_the_readme_test_command():
+    command = code_after("Run the tests", "bash").strip()
+    assert command in (ROOT / ".ci" / "run").read_text()
 
 
 def test_demo_speculative_decode_equals_plain_greedy(capsys):
