@@ -167,8 +167,7 @@ class WrappedModel:
                     f"token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})"
                 )
             return ids.astype(mx.int32), None
-        bad = (ids < 0) | (ids >= vocab)
-        return mx.where(bad, 0, ids), bad
+        return _guarded(ids, mx.array(vocab, ids.dtype))
 
 
 def _host_ids(tokens: Any) -> np.ndarray:
@@ -203,10 +202,21 @@ def _holds_arrays(layer: Any) -> bool:
     return bool(tree_flatten(layer)[0])
 
 
-def _poisoned(logits: mx.array, bad: mx.array | None) -> mx.array:
-    if bad is None:
-        return logits
+@mx.compile
+def _guarded(ids: mx.array, vocab: mx.array) -> tuple[mx.array, mx.array]:
+    """Ids outside 0..vocab-1 replaced by 0 (MLX's CPU gather does not check bounds), and
+    where they were. Compiled: one fused kernel instead of four ops on every step."""
+    bad = (ids < 0) | (ids >= vocab)
+    return mx.where(bad, 0, ids), bad
+
+
+@mx.compile
+def _nan_where(bad: mx.array, logits: mx.array) -> mx.array:
     return mx.where(bad[..., None], mx.array(float("nan"), logits.dtype), logits)
+
+
+def _poisoned(logits: mx.array, bad: mx.array | None) -> mx.array:
+    return logits if bad is None else _nan_where(bad, logits)
 
 
 def _check_lengths(lengths: Sequence[int], shape: tuple[int, ...], capture: bool) -> None:
