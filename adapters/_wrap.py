@@ -12,7 +12,15 @@ import numpy as np
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate import ConfigMismatchError, ModelState, ShapeError, StateError, TokenError, check
+from kvstate import (
+    ConfigMismatchError,
+    ModelState,
+    ShapeError,
+    StateError,
+    TokenError,
+    check,
+    tree_flatten,
+)
 from kvstate.kinds import as_int, batch_size_of, fit_config_of, record_forward
 
 from ._capture import forward_capturing
@@ -197,8 +205,6 @@ def _check_batch(rows: int, state: ModelState) -> None:
 
 
 def _holds_arrays(layer: Any) -> bool:
-    from kvstate import tree_flatten
-
     return bool(tree_flatten(layer)[0])
 
 

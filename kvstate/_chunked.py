@@ -17,7 +17,7 @@ import mlx.core as mx
 from ._errors import ConfigMismatchError, StateError, require
 from ._shared import array_kv_config, shared_appended, uniform_count
 from ._tree import State, replace
-from ._validation import kv_pair_problems, static_int
+from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -61,13 +61,8 @@ def _used(a: mx.array, n: int) -> mx.array:
 
 @problems.register
 def _(state: ChunkedKV, values: bool) -> list[str]:
-    found = (
-        static_int("chunk_size", state.chunk_size, 1)
-        + static_int("offset", state.offset)
-        + static_int("start_position", state.start_position)
-        + static_int("appended", state.appended)
-        + kv_pair_problems(state.keys, state.values)
-    )
+    found = typed_statics(state, chunk_size=1, offset=0, start_position=0, appended=0)
+    found += kv_pair_problems(state.keys, state.values)
     if found:
         return found
     capacity = 0 if state.keys is None else int(state.keys.shape[2])

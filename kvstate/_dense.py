@@ -13,8 +13,8 @@ from ._validation import (
     ints_within,
     kv_pair_problems,
     rows_problems,
-    static_bool,
     static_int,
+    typed_statics,
 )
 from .kinds import (
     Capabilities,
@@ -60,12 +60,8 @@ def padding_or_zeros(left_padding: mx.array | None, batch: int) -> mx.array:
 
 @problems.register
 def _(state: DenseKV, values: bool) -> list[str]:
-    found = (
-        static_int("length", state.length)
-        + static_int("appended", state.appended)
-        + static_bool("concatenate", state.concatenate)
-        + kv_pair_problems(state.keys, state.values)
-    )
+    found = typed_statics(state, length=0, appended=0, bools=("concatenate",))
+    found += kv_pair_problems(state.keys, state.values)
     if found:
         return found
     keys = state.keys

@@ -21,7 +21,7 @@ from ._errors import ConfigMismatchError, ShapeError, StateError, require
 from ._rotating import RotatingKV
 from ._shared import kv_config, shared_appended, uniform_count
 from ._tree import State, replace
-from ._validation import array_problems, is_int, static_int
+from ._validation import array_problems, is_int, static_int, typed_statics
 from .kinds import (
     Capabilities,
     Composite,
@@ -80,12 +80,7 @@ def _map_q(fn: Any, q: Quantized) -> Quantized:
 
 @problems.register
 def _(state: QuantizedKV, values: bool) -> list[str]:
-    found = (
-        static_int("length", state.length)
-        + static_int("appended", state.appended)
-        + static_int("bits", state.bits)
-        + static_int("group_size", state.group_size, 1)
-    )
+    found = typed_statics(state, length=0, appended=0, bits=0, group_size=1)
     if found:
         return found
     if state.bits not in BITS:

@@ -20,7 +20,7 @@ import mlx.core as mx
 from ._errors import CheckpointRequiredError, ShapeError
 from ._shared import shared_appended
 from ._tree import State
-from ._validation import array_problems, rows_problems, static_int
+from ._validation import array_problems, rows_problems, typed_statics
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -64,7 +64,7 @@ def is_empty(state: RecurrentState) -> bool:
 
 @problems.register
 def _(state: RecurrentState, values: bool) -> list[str]:
-    found = static_int("appended", state.appended)
+    found = typed_statics(state, appended=0)
     if not isinstance(state.arrays, tuple):
         return [*found, f"arrays: must be a tuple; got a {type(state.arrays).__name__}"]
     arrays = [(i, a) for i, a in enumerate(state.arrays) if a is not None]

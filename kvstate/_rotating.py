@@ -26,7 +26,7 @@ import mlx.core as mx
 from ._errors import CommitError, ConfigMismatchError
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, host_ints, replace
-from ._validation import kv_pair_problems, rows_problems, static_bool, static_int
+from ._validation import kv_pair_problems, rows_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -107,15 +107,10 @@ def temporal(state: RotatingKV) -> KV | None:
 
 @problems.register
 def _(state: RotatingKV, values: bool) -> list[str]:
-    found = (
-        static_int("max_size", state.max_size, 1)
-        + static_int("keep", state.keep)
-        + static_int("offset", state.offset)
-        + static_int("index", state.index)
-        + static_bool("rotated", state.rotated)
-        + static_int("appended", state.appended)
-        + kv_pair_problems(state.keys, state.values)
+    found = typed_statics(
+        state, max_size=1, keep=0, offset=0, index=0, appended=0, bools=("rotated",)
     )
+    found += kv_pair_problems(state.keys, state.values)
     if found:
         return found
     found += static_int("keep", state.keep, 0, state.max_size)

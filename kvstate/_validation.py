@@ -86,6 +86,12 @@ def static_bool(name: str, value: Any) -> list[str]:
     return [] if isinstance(value, bool) else [f"{name}: must be a bool; got {value!r}"]
 
 
+def typed_statics(state: Any, *, bools: tuple[str, ...] = (), **lowest: int) -> list[str]:
+    """Each static named in `lowest` is an int >= its value there; each in `bools` a bool."""
+    found = [m for name, low in lowest.items() for m in static_int(name, getattr(state, name), low)]
+    return found + [m for name in bools for m in static_bool(name, getattr(state, name))]
+
+
 def array_problems(name: str, a: Any, ndim: int | None = None, floating: bool = False) -> list[str]:
     if not isinstance(a, mx.array):
         return [f"{name}: must be an mx.array or None; got a {type(a).__name__}"]

@@ -20,7 +20,7 @@ Generic functions get inputs the public transforms already validated (counts in 
 rows in range, configurations that agree). Helpers for writing a kind are exported too:
 `replace` (a copy with fields changed, fast), `kv_config` / `array_kv_config` (the config of
 a KV kind), `config_mismatches`, `shared_appended` (the pending forward a merge keeps),
-`uniform_count` (the one count of a kind without left padding), `host_ints`.
+`uniform_count` (the one count of a kind without left padding), `host_ints`, `as_int`.
 """
 
 from __future__ import annotations
@@ -43,37 +43,37 @@ from ._shared import (
 from ._tree import State, frozen_state, host_ints, replace, static_field, tree_leaves
 
 __all__ = [
-    "REQUIRED",
     "Capabilities",
     "Composite",
+    "REQUIRED",
     "State",
     "appended_of",
     "array_kv_config",
     "as_int",
-    "config_mismatches",
-    "host_ints",
-    "implements",
-    "kv_config",
-    "replace",
-    "shared_appended",
-    "uniform_count",
     "batch_size_of",
     "capabilities_of",
     "commit_rows",
+    "config_mismatches",
     "config_of",
     "extend_states",
     "extract_row",
     "filter_rows",
     "fit_config_of",
+    "host_ints",
+    "implements",
     "kind_named",
     "kinds",
+    "kv_config",
     "layer_kinds",
     "merge_states",
     "problems",
     "record_forward",
+    "replace",
+    "shared_appended",
     "state_class",
     "static_field",
     "take_rows",
+    "uniform_count",
     "with_parts",
 ]
 

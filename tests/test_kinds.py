@@ -3,6 +3,7 @@ kinds is derived from registration, and a new kind needs nothing but its own mod
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,12 @@ def test_every_layer_kind_has_a_strategy_and_an_adapter(kind):
 
 def _converts_to(convert, kind) -> bool:
     return convert.__annotations__.get("return") in (kind.__name__, kind)
+
+
+def test_adapters_import_only_public_kvstate_modules():
+    private = re.compile(r"^\s*(from|import)\s+kvstate\.(_\w+)", re.M)
+    for path in (ROOT / "adapters").glob("*.py"):
+        assert not private.findall(path.read_text()), f"{path.name} imports a private module"
 
 
 def test_composites_expose_their_parts_under_one_name():
