@@ -77,6 +77,9 @@ class ModelMachine(RowMachine):
         self.state = self.witness.hold(state, "initial")
         self.rows = prompts
         self.pending = appended_of(state)
+        # A right-padded prompt forward has no prefix of fewer tokens (its rows advanced by
+        # different counts): only accepting all of it is defined, until the next forward.
+        self.whole_only = batched_prefill and batch > 1
         self.last = "initial"
 
     def prompt(self) -> list[int]:
@@ -143,11 +146,12 @@ class ModelMachine(RowMachine):
         self.state = self.witness.hold(out[1], "forward")
         self.checkpoints = out[2] if capture else None
         self.pending, self.last = k, "forward"
+        self.whole_only = False
 
     @precondition(lambda self: self.pending > 0)
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        if self.checkpoints is None and self.needs_checkpoints():
+        if self.whole_only or (self.checkpoints is None and self.needs_checkpoints()):
             accepted: Any = self.pending  # keeping everything needs no checkpoints
         else:
             accepted = data.draw(accepted_counts(self.state), label="accepted")

@@ -82,11 +82,12 @@ def _what(x: Any) -> str:
 
 
 def _bits(a: mx.array) -> np.ndarray:
-    return np.array(a.view(mx.uint8) if a.dtype == mx.bool_ else a.view(_uint(a)))
-
-
-def _uint(a: mx.array) -> Any:
-    return {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
+    """The array's bits as unsigned ints (NaNs compare by bits). NumPy reads the buffer
+    directly; only bfloat16, which NumPy lacks, takes an MLX view first."""
+    if a.dtype == mx.bfloat16:
+        return np.asarray(a.view(mx.uint16))
+    host = np.asarray(a)
+    return host.view(f"u{host.dtype.itemsize}") if host.dtype != np.bool_ else host
 
 
 def _bitwise(a: mx.array, e: mx.array) -> str | None:
