@@ -175,7 +175,7 @@ def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
         values=kept.values[..., shared:, :],
         left_padding=kept.left_padding - shared,
         length=kept.length - shared,
-        appended=min(kept.appended, kept.length - shared),
+        appended=_pending_within(kept.appended, kept.length - shared),
     )
 
 
@@ -216,6 +216,13 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
     return DenseKV(keys, values, left_padding, length=length, appended=appended)
 
 
+def _pending_within(appended: int, held: int) -> int:
+    """The pending forward of rows that now hold `held` positions: it stays if they hold all
+    it appended. Otherwise it was a right-padded prompt (some of its positions were padding,
+    now dropped), of which only accepting everything was defined: it is settled."""
+    return appended if appended <= held else 0
+
+
 @extract_row.register
 def _(state: DenseKV, row: int) -> DenseKV:
     if state.keys is None or state.values is None:
@@ -228,6 +235,6 @@ def _(state: DenseKV, row: int) -> DenseKV:
         keys,
         values,
         length=length,
-        appended=min(state.appended, length),
+        appended=_pending_within(state.appended, length),
         concatenate=state.concatenate,
     )
