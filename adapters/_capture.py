@@ -1,223 +1,294 @@
-"""The capturing forward: `logits, state, checkpoints = wrapped(tokens, state, capture=True)`.
+"""Recording the recurrent state after every token of a verify forward (`capture=True`).
 
 Checkpoints mirror the state: a tuple per layer of a ModelState, a tuple per part of a
-ListState, a tuple of (B, K+1, ...) arrays per RecurrentState (entry t along axis 1: the
-array after t tokens of the verify, t = 0 before it; None where the state's array is None),
-and None for every non-recurrent part. An array that is None before the verify (a layer
-never run) is checkpointed as zeros, which is what every mlx-lm recurrent layer reads None as.
+ListState, a tuple per RecurrentState with one entry per array (None where the state's array
+is None, see `kvstate._checkpoints` for the forms), and None for every non-recurrent part.
 
-Two ways to get them, chosen automatically:
+For the recurrent mixers kvstate knows (`KNOWN_MIXERS`), the mixer runs once over all K
+tokens, as mlx-lm wrote it, with two instruments:
+- its convolution module records its input: the widened window (the last `width` inputs
+  before the forward, then the K new ones), so every checkpoint of the convolution state is a
+  window of it (`ConvWindow`);
+- its recurrence (gated delta, the Mamba2 SSM) runs through a function that also returns the
+  state after every token (`gated_delta_steps`, `ssm_steps`: a kernel on GPUs, ops on the CPU)
+  and records those (`StepStates`).
+Both are instance surgery for the length of one forward: the mixer and its convolution get a
+subclass (the methods that call the recurrence are copies of mlx-lm's own, reading the
+recording function under the recurrence's name), and get their classes back afterwards.
+The projections, norms and masks are mlx-lm's code, run once over K tokens.
 
-- Fast path, for the recurrent mixers kvstate knows (`KNOWN_MIXERS`: the Mamba2 mixers of
-  mamba2 / nemotron_h / falcon_h1 / granitemoehybrid, the gated delta nets of qwen3_next /
-  qwen3_5, lfm2's short convolutions). For the length of one forward, those layer
-  *instances* (never the mlx-lm classes) get a subclass whose `__call__` runs its K tokens
-  through the original mixer one at a time and records the cache arrays after each. A mixer
-  is causal token by token, so the outputs are those of K decode steps; attention, MLP and
-  every other layer still see all K tokens at once. One model forward, no replay.
-- Fallback, for any other recurrent layer (or a mask the fast path does not know): the
-  verify forward runs as a plain K-token forward (its logits and state are exactly those
-  of `capture=False`), then tokens 0..K-2 are replayed one at a time through the whole
-  model from the state before the verify, keeping only the recurrent arrays of each step
-  (the rest of each replayed state is dropped at once, so MLX can update the replay's KV
-  buffers in place). Entry K is the verify's own array. Cost: K-1 extra single-token
-  forwards and, when the caller keeps the state it passed in, one copy of the KV buffers.
-
-Either way the new state is what a K-token forward gives: KV layers appended K tokens,
-window kinds keep `previous`, every part has `appended=K`; `commit_prefix` then trims the
-KV layers and picks each recurrent array's checkpoint.
+Any other recurrent layer (or a right-padded prompt's `lengths`) makes the forward fall back
+to replaying the accepted prefix token by token through the whole model (see `_forward`).
 """
 
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from kvstate import ModelState, RecurrentState
-from kvstate.kinds import Composite, record_forward
-
-from ._convert import from_mlx_lm, to_mlx_lm
-
-if TYPE_CHECKING:
-    from ._wrap import WrappedModel
-
-KNOWN_MIXERS = frozenset(
-    {
-        "mlx_lm.models.mamba2.Mamba2Block",
-        "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer",
-        "mlx_lm.models.falcon_h1.FalconH1Mixer",
-        "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer",
-        "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet",
-        "mlx_lm.models.qwen3_5.GatedDeltaNet",
-        "mlx_lm.models.lfm2.ShortConv",
-        "mlx_lm.models.lfm2_moe.ShortConv",
-    }
-)
-"""Mixers called as `mixer(hidden (B, S, D), ..., mask=(B, S) bool or None, cache=ArraysCache)`
-whose output at token t depends only on token t and the cache: they can run token by token."""
-
-_STEPS = "_kvstate_steps"  # on an ArraysCache during a capture: the arrays after each token
+from kvstate import ConvWindow, StepStates
 
 
-def forward_capturing(
-    wrapped: WrappedModel, tokens: mx.array, state: ModelState
-) -> tuple[mx.array, ModelState, Any]:
-    """A verify forward of `tokens` (B, K) that also returns recurrent checkpoints.
+class Mixer(NamedTuple):
+    """Where a known mixer keeps its parts: the convolution submodule's attribute name and
+    the module-level recurrence function its methods call (None: convolution only). By
+    mlx-lm's convention the convolution state is cache[0] and the recurrence's cache[1]."""
 
-    Returns `(logits (B, K, vocab), new_state, checkpoints)`; pass `checkpoints` to
-    `commit_prefix(new_state, accepted, checkpoints)`.
-    """
-    k = tokens.shape[1]
-    caches = to_mlx_lm(state)
-    recurrent = list(_arrays_caches(caches))
-    for c in recurrent:
-        setattr(c, _STEPS, [])
-    with _recording_mixers(wrapped.model):
-        logits = wrapped.model(tokens, cache=caches)
-    steps = [c.__dict__.pop(_STEPS) for c in recurrent]
-    if recurrent and any(len(s) != k for s in steps):
-        return _forward_replaying(wrapped, tokens, state)  # a layer the fast path missed
-    final = record_forward(from_mlx_lm(caches), state, k)
-    per_cache = iter(steps)
-    recorded = _map_recurrent(state, lambda s: [s.arrays, *next(per_cache)])
-    return logits, final, _stack(recorded, recurrent_arrays(final))
+    conv: str
+    recurrence: str | None
+
+
+KNOWN_MIXERS: dict[str, Mixer] = {
+    "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet": Mixer("conv1d", "gated_delta_update"),
+    "mlx_lm.models.qwen3_5.GatedDeltaNet": Mixer("conv1d", "gated_delta_update"),
+    "mlx_lm.models.mamba2.Mamba2Block": Mixer("conv1d", "ssm_update"),
+    "mlx_lm.models.nemotron_h.NemotronHMamba2Mixer": Mixer("conv1d", "ssm_update"),
+    "mlx_lm.models.falcon_h1.FalconH1Mixer": Mixer("conv1d", "ssm_update"),
+    "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer": Mixer("conv1d", "ssm_update"),
+    "mlx_lm.models.lfm2.ShortConv": Mixer("conv", None),
+    "mlx_lm.models.lfm2_moe.ShortConv": Mixer("conv", None),
+}
+"""Mixers called as `mixer(hidden (B, S, D), mask=(B, S) bool or None, cache=ArraysCache)`."""
+
+
+class Record:
+    """What one recurrent cache's mixer recorded during a forward (`mixer` is None until a
+    known mixer opens the record: then the forward falls back to replaying)."""
+
+    def __init__(self) -> None:
+        self.mixer: Mixer | None = None
+        self.conv_input: mx.array | None = None
+        self.states: mx.array | None = None
+
+    def complete(self) -> bool:
+        if self.mixer is None or self.conv_input is None:
+            return False
+        return self.mixer.recurrence is None or self.states is not None
+
+
+_RECORD: ContextVar[Record | None] = ContextVar("kvstate_record", default=None)
+_RECORDS = "_kvstate_record"  # on an ArraysCache during a capture: its Record
 
 
 # ---------------------------------------------------------------------------------------
-# Fast path: record inside known mixers.
+# Recording recurrences: mlx-lm's signatures, plus the state after every token.
 # ---------------------------------------------------------------------------------------
 
 
-def _arrays_caches(caches: Any) -> Iterator[ArraysCache]:
+def _recording_gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
+    *,
+    use_kernel: bool = True,
+    lower_bound: float | None = None,
+    allow_neg_eigval: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """mlx-lm's `gated_delta_update` (same gates), recording the state after every token."""
+    from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
+
+    from ._gated_delta import gated_delta_steps
+
+    beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if lower_bound is None:
+        g = compute_g(A_log, a, dt_bias)
+    else:
+        g = compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+    if state is None:
+        batch, _, _, dk = q.shape
+        hv, dv = v.shape[-2:]
+        state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
+    y, states = gated_delta_steps(q, k, v, g, beta, state, mask)
+    _recorded(states)
+    return y, states[:, -1]
+
+
+def _recording_ssm(
+    hidden_states: mx.array,
+    A_log: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array,
+    dt: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None = None,
+    time_step_limit: tuple[float, float] = (0.001, 100.0),
+    mask: mx.array | None = None,
+    lengths: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """mlx-lm's `ssm_update`, recording the state after every token."""
+    from ._ssm import ssm_steps
+
+    if lengths is not None:  # a right-padded prompt: not a verify, leave no record
+        from mlx_lm.models.ssm import ssm_update
+
+        return ssm_update(
+            hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths
+        )
+    y, states = ssm_steps(hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask)
+    _recorded(states)
+    # mlx-lm's y is `... + x * D`: the dtype x and D promote to (float32 for a float32 D).
+    return y.astype((hidden_states[:1, :1, :1, :1] * D[:1]).dtype), states[:, -1]
+
+
+_RECURRENCES: dict[str, Callable[..., Any]] = {
+    "gated_delta_update": _recording_gated_delta,
+    "ssm_update": _recording_ssm,
+}
+
+
+def _recorded(states: mx.array) -> None:
+    record = _RECORD.get()
+    if record is not None:
+        record.states = states
+
+
+# ---------------------------------------------------------------------------------------
+# The recording subclasses (one per mlx-lm class, made once).
+# ---------------------------------------------------------------------------------------
+
+
+_RECORDING_CLASSES: dict[Any, type] = {}
+
+
+def _made_once(key: Any, make: Callable[[], type]) -> type:
+    if key not in _RECORDING_CLASSES:
+        _RECORDING_CLASSES[key] = make()
+    return _RECORDING_CLASSES[key]
+
+
+def _recording_conv(cls: type) -> type:
+    """A subclass of convolution class `cls` that records its input while a record is open."""
+    return _made_once(cls, lambda: _make_recording_conv(cls))
+
+
+def _make_recording_conv(cls: type) -> type:
+
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
+        record = _RECORD.get()
+        if record is not None:
+            record.conv_input = x
+        return cls.__call__(self, x)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def _recording_mixer(cls: type, spec: Mixer) -> type:
+    """A subclass of mixer class `cls` whose call opens the record of its cache, and whose
+    methods that call the recurrence are copies of mlx-lm's reading the recording one."""
+    return _made_once((cls, spec), lambda: _make_recording_mixer(cls, spec))
+
+
+def _make_recording_mixer(cls: type, spec: Mixer) -> type:
+    body: dict[str, Any] = {"__module__": cls.__module__}
+    recurrence = spec.recurrence
+    if recurrence is not None:
+        for klass in cls.__mro__:
+            if klass is nn.Module:
+                break
+            for name, fn in vars(klass).items():
+                calls = isinstance(fn, types.FunctionType) and recurrence in fn.__code__.co_names
+                if calls and name not in body:
+                    body[name] = _reading(fn, recurrence, _RECURRENCES[recurrence])
+    call = body.get("__call__", cls.__call__)
+    signature = inspect.signature(call)
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        cache = signature.bind(self, *args, **kwargs).arguments.get("cache")
+        record = getattr(cache, _RECORDS, None)
+        if record is not None:
+            record.mixer = spec
+        token = _RECORD.set(record)
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _RECORD.reset(token)
+
+    body["__call__"] = __call__
+    return type(cls.__name__, (cls,), body)
+
+
+def _reading(fn: types.FunctionType, name: str, value: Callable[..., Any]) -> types.FunctionType:
+    """A copy of `fn` whose global `name` is `value` (mlx-lm's module is left untouched)."""
+    scope = {**fn.__globals__, name: value}
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+# ---------------------------------------------------------------------------------------
+# A recording forward
+# ---------------------------------------------------------------------------------------
+
+
+def known_mixers(model: nn.Module) -> list[tuple[nn.Module, Mixer]]:
+    """The model's mixer instances kvstate knows how to record."""
+    found = []
+    for module in model.modules():
+        spec = KNOWN_MIXERS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+        if spec is not None:
+            found.append((module, spec))
+    return found
+
+
+@contextmanager
+def recording(mixers: list[tuple[nn.Module, Mixer]], caches: list[Any]) -> Iterator[list[Record]]:
+    """Open a record on every recurrent cache and give the known mixers their recording
+    classes for the length of one forward. Yields the records, in state order."""
+    recurrent = list(arrays_caches(caches))
+    records = [Record() for _ in recurrent]
+    patched: list[tuple[nn.Module, type]] = []
+    try:
+        for cache, record in zip(recurrent, records, strict=True):
+            setattr(cache, _RECORDS, record)
+        for mixer, mspec in mixers:
+            conv = getattr(mixer, mspec.conv)
+            patched += [(mixer, type(mixer)), (conv, type(conv))]
+            mixer.__class__ = _recording_mixer(type(mixer), mspec)
+            conv.__class__ = _recording_conv(type(conv))
+        yield records
+    finally:
+        for module, cls in patched:
+            module.__class__ = cls
+        for cache in recurrent:
+            cache.__dict__.pop(_RECORDS, None)
+
+
+def arrays_caches(caches: Any) -> Iterator[ArraysCache]:
     """Every ArraysCache of a model's caches, in state order (CacheList parts included)."""
     for c in caches if isinstance(caches, list) else [caches]:
         if isinstance(c, CacheList):
-            yield from _arrays_caches(list(c.caches))
+            yield from arrays_caches(list(c.caches))
         elif isinstance(c, ArraysCache):
             yield c
 
 
-_RECORDING: dict[type, type] = {}
-
-
-def _recording_class(cls: type) -> type:
-    """A subclass of mixer class `cls` that runs tokens one at a time into a recording cache."""
-    if cls in _RECORDING:
-        return _RECORDING[cls]
-    signature = inspect.signature(cls.__call__)
-    hidden = list(signature.parameters)[1]  # the parameter after `self`
-    original = cls.__call__
-
-    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> mx.array:
-        bound = signature.bind(self, *args, **kwargs)
-        cache: Any = bound.arguments.get("cache")
-        mask: Any = bound.arguments.get("mask")
-        steps = getattr(cache, _STEPS, None)
-        if steps is None or not (mask is None or (isinstance(mask, mx.array) and mask.ndim == 2)):
-            return original(self, *args, **kwargs)  # not recording (or a mask we cannot split)
-        x = bound.arguments[hidden]
-        outputs = []
-        for t in range(x.shape[1]):
-            bound.arguments[hidden] = x[:, t : t + 1]
-            if mask is not None:
-                bound.arguments["mask"] = mask[:, t : t + 1]
-            outputs.append(original(*bound.args, **bound.kwargs))
-            steps.append(tuple(cache.cache))
-        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-
-    _RECORDING[cls] = type(
-        cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__}
-    )
-    return _RECORDING[cls]
-
-
-@contextmanager
-def _recording_mixers(model: nn.Module) -> Iterator[None]:
-    """Give the known mixer instances of `model` their recording subclass, then take it back."""
-    patched = [
-        (m, type(m))
-        for m in model.modules()
-        if f"{type(m).__module__}.{type(m).__qualname__}" in KNOWN_MIXERS
-    ]
-    try:
-        for m, cls in patched:
-            m.__class__ = _recording_class(cls)
-        yield
-    finally:
-        for m, cls in patched:
-            m.__class__ = cls
-
-
-# ---------------------------------------------------------------------------------------
-# Fallback: replay the whole model token by token.
-# ---------------------------------------------------------------------------------------
-
-
-def _forward_replaying(
-    wrapped: WrappedModel, tokens: mx.array, state: ModelState
-) -> tuple[mx.array, ModelState, Any]:
-    logits, final = wrapped.forward(tokens, state)
-    steps = [recurrent_arrays(state)]
-    current = state
-    for t in range(tokens.shape[1] - 1):
-        _, current = wrapped.forward(tokens[:, t : t + 1], current)
-        steps.append(recurrent_arrays(current))
-    del current  # only the recurrent arrays are kept; the replayed KV buffers are not
-    last = recurrent_arrays(final)
-    steps.append(last)
-    return logits, final, _stack(_per_step(state, steps), last)
-
-
-# ---------------------------------------------------------------------------------------
-# Checkpoint structure.
-# ---------------------------------------------------------------------------------------
-
-
-def _map_recurrent(state: Any, fn: Callable[[RecurrentState], Any]) -> Any:
-    """`fn` of every RecurrentState, in the checkpoints' structure (None elsewhere)."""
-    if isinstance(state, Composite):
-        return tuple(_map_recurrent(s, fn) for s in state.parts)
-    if isinstance(state, RecurrentState):
-        return fn(state)
-    return None
-
-
-def recurrent_arrays(state: Any) -> Any:
-    """The recurrent arrays of a state, in the checkpoints' structure (None elsewhere)."""
-    return _map_recurrent(state, lambda s: s.arrays)
-
-
-def _per_step(state: Any, steps: list[Any]) -> Any:
-    """Per-step `recurrent_arrays` structures -> the checkpoints' structure with, at each
-    RecurrentState, the list of its array tuples, one per step."""
-    if isinstance(state, Composite):
-        return tuple(_per_step(x, [s[i] for s in steps]) for i, x in enumerate(state.parts))
-    if isinstance(state, RecurrentState):
-        return list(steps)
-    return None
-
-
-def _stack(recorded: Any, final: Any) -> Any:
-    """At each RecurrentState, its list of per-step array tuples (before, after 1, ...,
-    after K) -> a tuple of (B, K+1, ...) arrays. `final` is `recurrent_arrays` of the new
-    state."""
-    if recorded is None:
-        return None
-    if isinstance(recorded, tuple):
-        return tuple(_stack(r, f) for r, f in zip(recorded, final, strict=True))
-    return tuple(
-        None if f is None else _stack_arrays([step[i] for step in recorded], f)
-        for i, f in enumerate(final)
-    )
-
-
-def _stack_arrays(steps: list[mx.array | None], final: mx.array) -> mx.array:
-    # None before a layer's first forward means zeros to every recurrent layer.
-    filled = [mx.zeros_like(final) if s is None else s.astype(final.dtype) for s in steps]
-    return mx.stack(filled, axis=1)
+def step_checkpoints(record: Record, before: tuple[mx.array | None, ...], after: Any) -> Any:
+    """One RecurrentState's checkpoints from its record: the convolution state (array 0) as a
+    window of the recorded input, the recurrence's (array 1) as the recorded states."""
+    assert record.conv_input is not None and record.mixer is not None
+    width = after.arrays[0].shape[1]
+    entries: list[Any] = [ConvWindow(record.conv_input, width=width)]
+    if record.mixer.recurrence is not None:
+        assert record.states is not None
+        first = before[1] if before[1] is not None else mx.zeros_like(after.arrays[1])
+        entries.append(StepStates(first.astype(record.states.dtype), record.states))
+    entries += [None] * (len(after.arrays) - len(entries))
+    return tuple(entries)

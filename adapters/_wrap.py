@@ -21,11 +21,12 @@ from kvstate import (
     check,
     tree_flatten,
 )
-from kvstate.kinds import as_int, batch_size_of, fit_config_of, record_forward
+from kvstate.kinds import as_int, batch_size_of, fit_config_of
 
-from ._capture import forward_capturing
-from ._convert import from_cache, from_mlx_lm, to_cache
+from ._capture import Mixer, known_mixers
+from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
+from ._forward import run
 
 
 class WrappedModel:
@@ -47,6 +48,7 @@ class WrappedModel:
         self._layers: tuple[dict[str, Any], ...] | None = None  # fit configs, from a probe
         self._vocab = 0
         self._returned: weakref.WeakSet[ModelState] = weakref.WeakSet()
+        self._mixers: list[tuple[nn.Module, Mixer]] | None = None  # found at the first capture
 
     def init_state(self, batch_size: int = 1) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
@@ -89,30 +91,11 @@ class WrappedModel:
         tokens, bad = self._tokens(tokens, state)
         if lengths is not None:
             _check_lengths(lengths, tokens.shape, capture)
-        if capture:
-            logits, new, checkpoints = forward_capturing(self, tokens, state)
-            return _poisoned(logits, bad), self._ours(new), checkpoints
-        logits, new = self.forward(tokens, state, lengths)
-        return _poisoned(logits, bad), self._ours(new)
-
-    def forward(
-        self, tokens: mx.array, state: ModelState, lengths: Sequence[int] | None = None
-    ) -> tuple[mx.array, ModelState]:
-        """The forward itself, without any check of `tokens` or `state`."""
-        caches = [to_cache(layer) for layer in state.layers]
-        width = tokens.shape[1]
-        padded = lengths is not None and any(n != width for n in lengths)
-        if padded:
-            assert lengths is not None
-            for c in caches:
-                c.prepare(lengths=list(lengths), right_padding=[width - n for n in lengths])
-        logits = self.model(tokens, cache=caches)
-        if padded:
-            for c in caches:
-                c.finalize()
-        # Read back and stamp each layer in one pass (this runs every decode step).
-        layers = zip(caches, state.layers, strict=True)
-        return logits, ModelState(tuple(record_forward(from_cache(c), b, width) for c, b in layers))
+        if capture and self._mixers is None:
+            self._mixers = known_mixers(self.model)
+        out = run(self.model, tokens, state, lengths=lengths, capture=capture, mixers=self._mixers)
+        logits, new = _poisoned(out.logits, bad), self._ours(out.state)
+        return (logits, new, out.checkpoints) if capture else (logits, new)
 
     # -- checks ------------------------------------------------------------------------------
 

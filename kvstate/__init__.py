@@ -6,6 +6,7 @@ kind of state with `kvstate.kinds`.
 """
 
 # Importing the kind modules registers them (`kvstate.kinds.kinds()` lists them).
+from ._checkpoints import ConvWindow, StepStates, checkpoint_at
 from ._chunked import ChunkedKV
 from ._composite import ListState, ModelState
 from ._dense import DenseKV
@@ -45,6 +46,7 @@ __all__ = [
     "ChunkedKV",
     "CommitError",
     "ConfigMismatchError",
+    "ConvWindow",
     "DenseKV",
     "FileFormatError",
     "ListState",
@@ -56,10 +58,12 @@ __all__ = [
     "ShapeError",
     "State",
     "StateError",
+    "StepStates",
     "TokenError",
     "batch_size",
     "capabilities",
     "check",
+    "checkpoint_at",
     "commit_prefix",
     "eval",
     "extend",

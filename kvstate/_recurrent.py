@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ._checkpoints import Checkpoint, pick, problem
 from ._errors import CheckpointRequiredError, ShapeError
 from ._shared import shared_appended
 from ._tree import State
@@ -52,8 +53,8 @@ class RecurrentState(State):
     appended: int = static_field(default=0)
 
 
-Checkpoints = tuple[mx.array | None, ...]
-"""One entry per `RecurrentState.arrays` entry: (B, K+1, *array.shape[1:]) or None."""
+Checkpoints = tuple[Checkpoint | None, ...]
+"""One entry per `RecurrentState.arrays` entry (see `_checkpoints`), or None."""
 
 
 def is_empty(state: RecurrentState) -> bool:
@@ -199,11 +200,11 @@ def _check_checkpoints(state: RecurrentState, checkpoints: Any) -> Checkpoints:
             else type(checkpoints).__name__
         )
         raise ShapeError(
-            f"checkpoints for a RecurrentState of {n} arrays must be a tuple of {n} arrays "
-            f"(B, K+1, ...); got {got}. Pass the checkpoints the capturing forward of this "
+            f"checkpoints for a RecurrentState of {n} arrays must be a tuple of {n} entries "
+            f"(one per array); got {got}. Pass the checkpoints the capturing forward of this "
             "same state returned"
         )
-    batch, steps = batch_size_of(state), state.appended + 1
+    batch, steps = batch_size_of(state), state.appended
     problems = []
     for i, (a, c) in enumerate(zip(state.arrays, checkpoints, strict=True)):
         if a is None:
@@ -212,20 +213,14 @@ def _check_checkpoints(state: RecurrentState, checkpoints: Any) -> Checkpoints:
                     f"[{i}]: the state has no array here, so the checkpoint must be None"
                 )
             continue
-        want = (batch, steps, *a.shape[1:])
-        if not isinstance(c, mx.array):
-            problems.append(f"[{i}]: expected an array of shape {want}, got {type(c).__name__}")
-            continue
-        if tuple(c.shape) != want or c.dtype != a.dtype:
-            problems.append(
-                f"[{i}]: expected shape {want} dtype {a.dtype}, got shape {tuple(c.shape)} "
-                f"dtype {c.dtype}"
-            )
+        found = problem(c, a, batch, steps)
+        if found:
+            problems.append(f"[{i}]: {found}")
     if problems:
         raise ShapeError(
             f"checkpoints do not fit this RecurrentState (B={batch}, last forward appended "
-            f"{state.appended} tokens, so K+1={steps}): " + "; ".join(problems) + ". Pass the "
-            "checkpoints the capturing forward that produced this state returned"
+            f"{state.appended} tokens, so K+1={steps + 1}): " + "; ".join(problems) + ". Pass "
+            "the checkpoints the capturing forward that produced this state returned"
         )
     return tuple(checkpoints)
 
@@ -244,14 +239,6 @@ def _(state: RecurrentState, counts: tuple[int, ...], checkpoints: Any) -> Recur
             "(`logits, state, checkpoints = wrapped(tokens, state, capture=True)`) and pass "
             "its checkpoints: `commit_prefix(state, accepted, checkpoints)`"
         )
-    index = mx.array(counts, mx.int32)
-
-    def pick(c: mx.array | None) -> mx.array | None:
-        if c is None:
-            return None
-        at = index.reshape(-1, 1, *([1] * (c.ndim - 2)))
-        return mx.take_along_axis(c, at, axis=1).squeeze(1)
-
     # mlx-lm's advance(n) lowers left_padding and lengths by n per forward: a forward of
     # counts[b] tokens would have lowered them by that much, not by `appended`.
     rejected = mx.array([state.appended - c for c in counts], mx.int32)
@@ -260,7 +247,7 @@ def _(state: RecurrentState, counts: tuple[int, ...], checkpoints: Any) -> Recur
         return None if x is None else x + rejected.astype(x.dtype)
 
     return RecurrentState(
-        tuple(pick(c) for c in checked),
+        tuple(None if c is None else pick(c, counts) for c in checked),
         unadvance(state.left_padding),
         unadvance(state.lengths),
         appended=0,

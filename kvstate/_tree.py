@@ -12,7 +12,7 @@ MLX goes through `tree_flatten` (a list of arrays plus a hashable `TreeDef`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast, dataclass_transform
 
 import attrs
 import mlx.core as mx
@@ -40,6 +40,7 @@ def static_field(**kwargs: Any) -> Any:
     return attrs.field(metadata=metadata, **kwargs)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(attrs.field, static_field))
 def frozen_state(cls: type[T]) -> type[T]:
     """`attrs.frozen(eq=False)` plus the child/static split, computed once."""
     made = attrs.frozen(eq=False, repr=False)(cls)
@@ -205,12 +206,22 @@ def tree_leaves(tree: Any) -> list[mx.array]:
     return leaves
 
 
-def tree_map(fn: Callable[[mx.array], mx.array], tree: Any) -> Any:
+def tree_map(fn: Callable[..., mx.array], tree: Any, *rest: Any) -> Any:
     """Apply `fn` to every array of a state (or of a nested tuple of arrays, such as
-    checkpoints), keeping the structure and the statics. `fn` must keep each array's shape
-    where the state depends on it; the result is not re-checked (see `kvstate.check`)."""
+    checkpoints), keeping the structure and the statics. With `rest`, trees of the same
+    structure, `fn` gets their arrays side by side: `tree_map(lambda a, b:
+    mx.concatenate([a, b]), x, y)` batches the checkpoints of two states. `fn` must keep each
+    array's shape where the state depends on it; the result is not re-checked."""
     leaves, treedef = tree_flatten(tree)
-    return unflatten_unchecked(treedef, [fn(a) for a in leaves])
+    others = [tree_flatten(t) for t in rest]
+    for i, (_, other) in enumerate(others):
+        if other != treedef:
+            raise StateError(
+                f"tree_map: tree {i + 1} has another structure or other statics than tree 0; "
+                "map over trees of the same kind and shape only"
+            )
+    columns = zip(leaves, *(o[0] for o in others), strict=True)
+    return unflatten_unchecked(treedef, [fn(*arrays) for arrays in columns])
 
 
 def eval(tree: Any) -> Any:

@@ -12,8 +12,8 @@ import mlx.core as mx
 
 from ._errors import ShapeError
 from ._ints import as_int, as_ints, is_int
-from ._tree import TreeDef, check_leaves, host_ints, unflatten_unchecked
-from .kinds import problems
+from ._tree import State, TreeDef, check_leaves, children, host_ints, unflatten_unchecked
+from .kinds import kind_named, problems
 
 __all__ = ["as_int", "as_ints", "check", "is_int", "tree_unflatten"]
 
@@ -64,8 +64,11 @@ def _check_tree(node: Any) -> None:
     if isinstance(node, (tuple, list)):
         for c in node:
             _check_tree(c)
-    elif node is not None and not isinstance(node, mx.array):
+    elif kind_named(type(node).__name__) is type(node):
         check(node, values=False)
+    elif isinstance(node, State):  # not a kind (a checkpoint form): check what it holds
+        for c in children(node):
+            _check_tree(c)
 
 
 # ---------------------------------------------------------------------------------------

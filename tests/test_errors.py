@@ -103,7 +103,7 @@ def test_a_verify_can_be_merged_split_and_regrouped_before_its_commit(hybrid):
     _, vb, cb = hybrid(mx.array([[6, 6, 6]]), b, capture=True)
     merged = ks.merge([va, vb])
     assert ks.kinds.appended_of(merged) == 3
-    checkpoints = _concat_checkpoints(ca, cb)
+    checkpoints = ks.tree_map(lambda x, y: mx.concatenate([x, y]), ca, cb)
     committed = ks.commit_prefix(merged, [1, 3], checkpoints)
     expected = ks.merge([ks.commit_prefix(va, 1, ca), ks.commit_prefix(vb, 3, cb)])
     probe = mx.array([[11], [12]])
@@ -116,14 +116,6 @@ def test_a_verify_can_be_merged_split_and_regrouped_before_its_commit(hybrid):
     after_split = hybrid(mx.array([[5]]), one)[0]
     after_alone = hybrid(mx.array([[5]]), ks.commit_prefix(vb, 2, cb))[0]
     np.testing.assert_allclose(np.array(after_split), np.array(after_alone), rtol=1e-5, atol=1e-5)
-
-
-def _concat_checkpoints(a, b):
-    if a is None:
-        return None
-    if isinstance(a, tuple):
-        return tuple(_concat_checkpoints(x, y) for x, y in zip(a, b, strict=True))
-    return mx.concatenate([a, b])
 
 
 def test_states_whose_pending_forwards_differ_merge_with_none_and_say_so():

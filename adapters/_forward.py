@@ -1,0 +1,124 @@
+"""One forward of an mlx-lm model over a kvstate state: the one place a model runs.
+
+state -> fresh mlx-lm cache objects (O(1)) -> the model -> a new state, each layer stamped
+with the tokens it appended (`record_forward`). Options: `lengths` for a right-padded prompt
+batch (mlx-lm's prepare / finalize around the call), `capture` for a verify forward that also
+returns recurrent checkpoints (see `_capture`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kvstate import ModelState, RecurrentState
+from kvstate.kinds import Composite, record_forward
+
+from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
+from ._convert import from_cache, to_cache
+
+
+class Forward(NamedTuple):
+    logits: mx.array
+    state: ModelState
+    checkpoints: Any  # None unless capture=True
+
+
+def run(
+    model: nn.Module,
+    tokens: mx.array,
+    state: ModelState,
+    *,
+    lengths: Sequence[int] | None = None,
+    capture: bool = False,
+    mixers: list[tuple[nn.Module, Mixer]] | None = None,
+) -> Forward:
+    """Run `tokens` (B, K) through `model` from `state` (both already checked).
+
+    With `capture`, `mixers` are the model's known mixer instances (`_capture.known_mixers`).
+    """
+    caches = [to_cache(layer) for layer in state.layers]
+    width = tokens.shape[1]
+    padded = lengths is not None and any(n != width for n in lengths)
+    if padded:
+        assert lengths is not None
+        for c in caches:
+            c.prepare(lengths=list(lengths), right_padding=[width - n for n in lengths])
+    records: list[Record] | None = None
+    if capture and not any(c.lengths is not None for c in arrays_caches(caches)):
+        with recording(mixers or [], caches) as records:
+            logits = model(tokens, cache=caches)
+    else:
+        logits = model(tokens, cache=caches)
+    if padded:
+        for c in caches:
+            c.finalize()
+    # Read back and stamp each layer in one pass (this runs every decode step).
+    pairs = zip(caches, state.layers, strict=True)
+    new = ModelState(tuple(record_forward(from_cache(c), b, width) for c, b in pairs))
+    if not capture:
+        return Forward(logits, new, None)
+    if records is not None and all(r.complete() for r in records):
+        made = iter(records)
+        checkpoints = _per_recurrent(
+            state, new, lambda b, a: step_checkpoints(next(made), b.arrays, a)
+        )
+        return Forward(logits, new, checkpoints)
+    return Forward(logits, new, _replay(model, tokens, state, new))
+
+
+def _replay(model: nn.Module, tokens: mx.array, state: ModelState, final: ModelState) -> Any:
+    """Checkpoints of a recurrent layer kvstate cannot record: tokens 0..K-2 again, one at a
+    time, from the state before the forward, keeping only the recurrent arrays of each step
+    (the rest of each replayed state is dropped at once, so MLX updates the replay's KV
+    buffers in place). Cost: K-1 single-token forwards."""
+    steps = [_recurrent_arrays(state)]
+    current = state
+    for t in range(tokens.shape[1] - 1):
+        current = run(model, tokens[:, t : t + 1], current).state
+        steps.append(_recurrent_arrays(current))
+    del current
+    steps.append(_recurrent_arrays(final))
+    position = iter(range(len(steps[0])))
+
+    def stacked(before: RecurrentState, after: RecurrentState) -> Any:
+        i = next(position)
+        return _stacked([s[i] for s in steps], after)
+
+    return _per_recurrent(state, final, stacked)
+
+
+def _recurrent_arrays(state: ModelState) -> list[tuple[mx.array | None, ...]]:
+    """The arrays of every RecurrentState of `state`, in state order."""
+    found: list[tuple[mx.array | None, ...]] = []
+    _per_recurrent(state, state, lambda b, a: found.append(a.arrays))
+    return found
+
+
+def _per_recurrent(
+    before: Any, after: Any, fn: Callable[[RecurrentState, RecurrentState], Any]
+) -> Any:
+    """`fn(before, after)` at every RecurrentState, in the checkpoints' structure (a tuple per
+    composite, None at every other part)."""
+    if isinstance(after, Composite):
+        pairs = zip(before.parts, after.parts, strict=True)
+        return tuple(_per_recurrent(b, a, fn) for b, a in pairs)
+    if isinstance(after, RecurrentState):
+        return fn(before, after)
+    return None
+
+
+def _stacked(steps: list[tuple[mx.array | None, ...]], after: RecurrentState) -> Any:
+    """Per-step arrays of one RecurrentState -> one (B, K+1, ...) checkpoint per array. None
+    before a layer's first forward means zeros to every mlx-lm recurrent layer."""
+
+    def filled(step: mx.array | None, final: mx.array) -> mx.array:
+        return mx.zeros_like(final) if step is None else step.astype(final.dtype)
+
+    return tuple(
+        None if final is None else mx.stack([filled(s[i], final) for s in steps], 1)
+        for i, final in enumerate(after.arrays)
+    )

@@ -1,0 +1,285 @@
+"""Verify forwards, speculative rounds and end-to-end speculative decoding through `wrap`,
+against raw mlx-lm caches, on llama-, qwen3_next- and nemotron_h-style models.
+
+Random-init bf16 models of a real model's shape (hidden 2048, 16 layers, vocab 32000; see
+MODELS), a 1k-token context. Every row is printed (and flushed) as soon as it is measured,
+so a run cut at its time limit keeps what it measured. Sections (`--only` picks some):
+
+  forward   K-token forwards (K = 1, 2, 5, 9, 17): raw mlx-lm, wrap, wrap with capture=True
+  round     a verify (K = 4, capture) + reading its logits + commit_prefix(3), with the state
+            before the verify dropped or still held by the caller (the README loop holds it);
+            on llama also raw mlx-lm's verify-and-trim round
+  decode    tokens/s of plain greedy decoding through wrap vs raw (generate_step's pipelined loop)
+  spec      end-to-end speculative decoding with an oracle drafter (acceptance 0.5 / 0.8 / 1.0,
+            K = 2 / 4 / 8) vs plain greedy decoding, tokens/s ratio
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/verify.py            # on the H200
+    .venv/bin/python benchmarks/verify.py --small --only forward      # a smoke run on a CPU
+
+Timing: medians of repetitions, each ending in an eval of everything it produced; inputs that
+a forward consumes (a state passed without being held) are fresh copies made untimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+import kvstate as ks
+from kvstate.adapters import to_mlx_lm, wrap
+from kvstate.adapters.tiny_models import tiny_model
+
+BIG: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 8192,
+    },
+    "qwen3_next": {
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "intermediate_size": 5632,
+        "num_experts": 0, "max_position_embeddings": 8192,
+    },
+    "nemotron_h": {
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+        "hybrid_override_pattern": list("M-M*M-M-M-M*M-M-"), "mamba_num_heads": 64,
+        "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 8192,
+    },
+}  # fmt: skip
+SMALL: dict[str, dict[str, Any]] = {"llama": {}, "qwen3_next": {}, "nemotron_h": {}}
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def build(name: str, small: bool) -> nn.Module:
+    config = SMALL[name] if small else BIG[name]
+    return tiny_model(name, scale=1.0, dtype=mx.float32 if small else mx.bfloat16, **config)
+
+
+def median_ms(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] = lambda: None) -> float:
+    for _ in range(2):
+        ks.eval(fn(setup()))
+    times = []
+    for _ in range(reps):
+        arg = setup()
+        start = time.perf_counter()
+        out = fn(arg)
+        ks.eval(out)
+        mx.synchronize()
+        times.append(time.perf_counter() - start)
+        del out
+    return statistics.median(times) * 1e3
+
+
+def copied(state: Any) -> Any:
+    """A copy of `state` in buffers of its own (so a forward may update them in place)."""
+    return ks.eval(ks.tree_map(lambda a: mx.array(a) + 0 if a.size else a, state))
+
+
+def random_ids(model: nn.Module, shape: tuple[int, ...], seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, model.args.vocab_size, shape))
+
+
+def prefilled(m: Any, context: int, seed: int = 0) -> Any:
+    return ks.eval(m(random_ids(m.model, (1, context), seed), m.init_state())[1])
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def forward_section(name: str, model: nn.Module, context: int, reps: int) -> None:
+    m = wrap(model)
+    base = prefilled(m, context)
+    one = {}
+    say(f"\n## forward: {name}, context {context} (ms, median of {reps})\n")
+    say("| K | raw mlx-lm | wrap | wrap, capture | capture / no capture | capture / 1-token raw |")
+    say("|---|---|---|---|---|---|")
+    for k in (1, 2, 5, 9, 17):
+        tokens = random_ids(model, (1, k), k)
+        raw = median_ms(
+            lambda c, t=tokens: model(t, cache=c), reps, lambda: to_mlx_lm(copied(base))
+        )
+        plain = median_ms(lambda box, t=tokens: m(t, box.pop())[:2], reps, lambda: [copied(base)])
+        capt = median_ms(
+            lambda box, t=tokens: m(t, box.pop(), capture=True), reps, lambda: [copied(base)]
+        )
+        one.setdefault("raw", raw)
+        say(
+            f"| {k} | {raw:.2f} | {plain:.2f} | {capt:.2f} | {capt / plain:.2f} "
+            f"| {capt / one['raw']:.2f} |"
+        )
+
+
+def round_section(name: str, model: nn.Module, context: int, rounds: int) -> None:
+    """Rounds of: verify 5 tokens (the last one + 4 drafts), read the logits, keep 4."""
+    m = wrap(model)
+    draft = mx.array([[1, 2, 3, 4, 5]])
+    say(
+        f"\n## round: {name}, context {context}, verify 5 / keep 4 (ms per round, median of {rounds})\n"
+    )
+    say("| contender | ms |")
+    say("|---|---|")
+
+    def loop(capture: bool, hold: bool) -> float:
+        state = copied(prefilled(m, context))
+        times = []
+        for _ in range(rounds + 2):
+            start = time.perf_counter()
+            if hold:
+                out = m(draft, state, capture=capture)
+            else:
+                box = [state]
+                del state
+                out = m(draft, box.pop(), capture=capture)
+            out[0].argmax(-1).tolist()  # the caller reads the logits (a sync)
+            checkpoints = out[2] if capture else None
+            state = ks.eval(ks.commit_prefix(out[1], 4, checkpoints))
+            del out
+            mx.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:]) * 1e3
+
+    for capture in (False, True):
+        for hold in (False, True):
+            say(f"| wrap, capture={capture}, pre-verify state {'held' if hold else 'dropped'} "
+                f"| {loop(capture, hold):.2f} |")  # fmt: skip
+    if name == "llama":
+        caches = to_mlx_lm(copied(prefilled(m, context)))
+        times = []
+        for _ in range(rounds + 2):
+            start = time.perf_counter()
+            logits = model(draft, cache=caches)
+            logits.argmax(-1).tolist()
+            trim_prompt_cache(caches, 1)
+            mx.eval([c.keys for c in caches])
+            mx.synchronize()
+            times.append(time.perf_counter() - start)
+        say(f"| raw mlx-lm verify + trim | {statistics.median(times[2:]) * 1e3:.2f} |")
+
+
+def greedy_raw(model: nn.Module, prompt: mx.array, n: int) -> tuple[list[int], float]:
+    """Plain greedy decoding on raw mlx-lm caches, pipelined like generate_step."""
+    caches = make_prompt_cache(model)
+    y = model(prompt, cache=caches)[:, -1].argmax(-1)
+    mx.eval(y)
+    out = []
+    start = time.perf_counter()
+    for _ in range(n):
+        nxt = model(y[:, None], cache=caches)[:, -1].argmax(-1)
+        mx.async_eval(nxt)
+        out.append(int(y.item()))
+        y = nxt
+    mx.eval(y)
+    return out, time.perf_counter() - start
+
+
+def greedy_wrap(m: Any, prompt: mx.array, n: int) -> tuple[list[int], float]:
+    logits, state = m(prompt, m.init_state())
+    y = logits[:, -1].argmax(-1)
+    mx.eval(y)
+    out = []
+    start = time.perf_counter()
+    for _ in range(n):
+        logits, state = m(y[:, None], state)
+        nxt = logits[:, -1].argmax(-1)
+        mx.async_eval(nxt)
+        out.append(int(y.item()))
+        y = nxt
+    mx.eval(y)
+    return out, time.perf_counter() - start
+
+
+def decode_section(name: str, model: nn.Module, context: int, n: int) -> None:
+    m = wrap(model)
+    prompt = random_ids(model, (1, context), 1)
+    ratios = []
+    for _ in range(5):
+        _, raw = greedy_raw(model, prompt, n)
+        _, wrapped = greedy_wrap(m, prompt, n)
+        ratios.append(raw / wrapped)
+    say(f"\n## decode: {name}, context {context}, {n} tokens, 5 interleaved runs\n")
+    say(f"wrap / raw tokens/s: median {statistics.median(ratios):.3f} "
+        f"(runs {', '.join(f'{r:.3f}' for r in ratios)}); raw {n / raw:.1f} tok/s")  # fmt: skip
+
+
+def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 0) -> None:
+    """Speculative decoding with an oracle drafter: it proposes the greedy continuation, each
+    token right with probability p (so the first wrong one ends the accepted run)."""
+    m = wrap(model)
+    prompt = random_ids(model, (1, context), 2)
+    truth, plain = greedy_raw(model, prompt, n + 16)
+    plain_rate = n / (plain * n / (n + 16))
+    say(f"\n## spec: {name}, context {context}, {n} tokens; plain greedy {plain_rate:.1f} tok/s\n")
+    say("| acceptance p | K | tokens/s | / plain greedy | accepted per round |")
+    say("|---|---|---|---|---|")
+    vocab = m.vocab_size
+    for p in (0.5, 0.8, 1.0):
+        for k in (2, 4, 8):
+            rng = np.random.default_rng(seed)
+            logits, state = m(prompt, m.init_state())
+            tokens = [int(logits[0, -1].argmax().item())]
+            rounds = 0
+            start = time.perf_counter()
+            while len(tokens) < n:
+                at = len(tokens)
+                guess = [
+                    truth[at + i] if rng.random() < p else (truth[at + i] + 1) % vocab
+                    for i in range(k)
+                ]
+                logits, verified, checkpoints = m(mx.array([[tokens[-1], *guess]]), state,
+                                                  capture=True)  # fmt: skip
+                best = logits[0].argmax(-1).tolist()
+                a = next((i for i in range(k) if guess[i] != best[i]), k)
+                state = ks.commit_prefix(verified, a + 1, checkpoints)
+                tokens += best[: a + 1]
+                rounds += 1
+            mx.eval(ks.tree_flatten(state)[0])
+            rate = len(tokens) / (time.perf_counter() - start)
+            say(f"| {p} | {k} | {rate:.1f} | {rate / plain_rate:.2f} "
+                f"| {len(tokens) / rounds - 1:.2f} |")  # fmt: skip
+
+
+SECTIONS = {"forward", "round", "decode", "spec"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny models (a CPU smoke run)")
+    parser.add_argument("--only", nargs="*", default=sorted(SECTIONS), choices=sorted(SECTIONS))
+    parser.add_argument("--models", nargs="*", default=list(BIG), choices=list(BIG))
+    parser.add_argument("--context", type=int, default=None)
+    args = parser.parse_args()
+    context = args.context or (64 if args.small else 1024)
+    reps = 3 if args.small else 10
+    say(f"# verify benchmark: {mx.default_device()}, mlx {mx.__version__}, "
+        f"context {context}, {'small' if args.small else 'full-size'} models")  # fmt: skip
+    for name in args.models:
+        model = build(name, args.small)
+        if "forward" in args.only:
+            forward_section(name, model, context, reps)
+        if "round" in args.only:
+            round_section(name, model, context, 5 if args.small else 20)
+        if "decode" in args.only:
+            decode_section(name, model, context, 16 if args.small else 200)
+        if "spec" in args.only:
+            spec_section(name, model, context, 16 if args.small else 200)
+        del model
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
