@@ -9,6 +9,7 @@ returns recurrent checkpoints (see `_capture`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ import mlx.nn as nn
 from kvstate import ModelState, RecurrentState
 from kvstate.kinds import Composite, record_forward
 
+from . import _buckets as buckets
 from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
 from ._convert import from_cache, to_cache
 
@@ -48,10 +50,11 @@ def run(
         for c in caches:
             c.prepare(lengths=list(lengths), right_padding=[width - n for n in lengths])
     records: list[Record] | None = None
-    if capture and not any(c.lengths is not None for c in arrays_caches(caches)):
-        with recording(mixers or [], caches) as records:
-            logits = model(tokens, cache=caches)
-    else:
+    with ExitStack() as scope:
+        if buckets.enabled(width):
+            scope.enter_context(buckets.bucketing(caches))
+        if capture and not any(c.lengths is not None for c in arrays_caches(caches)):
+            records = scope.enter_context(recording(mixers or [], caches))
         logits = model(tokens, cache=caches)
     if padded:
         for c in caches:

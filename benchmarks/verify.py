@@ -219,40 +219,43 @@ def decode_section(name: str, model: nn.Module, context: int, n: int) -> None:
 
 
 def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 0) -> None:
-    """Speculative decoding with an oracle drafter: it proposes the greedy continuation, each
-    token right with probability p (so the first wrong one ends the accepted run)."""
+    """Speculative decoding at a controlled acceptance rate: each round verifies the last
+    token and K drafts with capture, accepts each draft with probability p until the first
+    rejection (the law of an oracle drafter that is right with probability p; drafting costs
+    nothing here), keeps the verify's own tokens and commits. A random-init bf16 model's
+    greedy tokens change with the forward's shape, so an oracle of precomputed tokens would
+    be rejected by rounding, not by design: the acceptance is drawn, the work is real."""
     m = wrap(model)
     prompt = random_ids(model, (1, context), 2)
-    truth, plain = greedy_raw(model, prompt, n + 16)
-    plain_rate = n / (plain * n / (n + 16))
-    say(f"\n## spec: {name}, context {context}, {n} tokens; plain greedy {plain_rate:.1f} tok/s\n")
-    say("| acceptance p | K | tokens/s | / plain greedy | accepted per round |")
+    _, plain = greedy_raw(model, prompt, n)
+    plain_rate = n / plain
+    say(f"\n## spec: {name}, context {context}, {n} tokens; plain greedy (raw mlx-lm, "
+        f"pipelined) {plain_rate:.1f} tok/s\n")  # fmt: skip
+    say("| acceptance p | K | tokens/s | / plain greedy | tokens per round |")
     say("|---|---|---|---|---|")
-    vocab = m.vocab_size
     for p in (0.5, 0.8, 1.0):
         for k in (2, 4, 8):
             rng = np.random.default_rng(seed)
             logits, state = m(prompt, m.init_state())
-            tokens = [int(logits[0, -1].argmax().item())]
-            rounds = 0
+            y = int(logits[0, -1].argmax().item())
+            produced = rounds = 0
             start = time.perf_counter()
-            while len(tokens) < n:
-                at = len(tokens)
-                guess = [
-                    truth[at + i] if rng.random() < p else (truth[at + i] + 1) % vocab
-                    for i in range(k)
-                ]
-                logits, verified, checkpoints = m(mx.array([[tokens[-1], *guess]]), state,
-                                                  capture=True)  # fmt: skip
-                best = logits[0].argmax(-1).tolist()
-                a = next((i for i in range(k) if guess[i] != best[i]), k)
-                state = ks.commit_prefix(verified, a + 1, checkpoints)
-                tokens += best[: a + 1]
+            while produced < n + 2 * k:
+                if rounds == 2:  # two warm-up rounds (kernels for this K) are not timed
+                    start, produced = time.perf_counter(), 0
+                draft = rng.integers(0, m.vocab_size, k).tolist()
+                logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
+                accepted = 0
+                while accepted < k and rng.random() < p:
+                    accepted += 1
+                state = ks.commit_prefix(verified, accepted + 1, checkpoints)
+                y = int(logits[0, accepted].argmax().item())  # a decoder reads its logits
+                produced += accepted + 1
                 rounds += 1
             mx.eval(ks.tree_flatten(state)[0])
-            rate = len(tokens) / (time.perf_counter() - start)
+            rate = produced / (time.perf_counter() - start)
             say(f"| {p} | {k} | {rate:.1f} | {rate / plain_rate:.2f} "
-                f"| {len(tokens) / rounds - 1:.2f} |")  # fmt: skip
+                f"| {produced / (rounds - 2):.2f} |")  # fmt: skip
 
 
 SECTIONS = {"forward", "round", "decode", "spec"}

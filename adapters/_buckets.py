@@ -1,0 +1,125 @@
+"""Attention over a bucketed key length in multi-token forwards, on CUDA.
+
+MLX's CUDA attention for a query of several tokens pays ~36 ms the first time it sees a key
+length (measured on the H200: benchmarks/sdpa_shapes.py; 0.2-0.5 ms once that length was
+seen). A speculative verify always meets a new length, so every round paid it. Here the dense
+KV caches of a multi-token forward attend over their buffer up to the next multiple of
+`STEP` instead, with mlx-lm's own mask extended by False over the extra positions: the
+result is the same attention, and a length repeats for ~STEP / K rounds.
+
+The caches get a subclass for the length of one forward (instance surgery, like `_capture`),
+and only when the model asks one of them for its mask: a model that builds its own mask gets
+the exact key length, as before. All dense caches of a forward share one `Bucket`, since a
+model computes one mask (from one cache) for all its attention layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
+
+STEP = 256
+FORCE: bool | None = None  # tests set True to bucket on any device
+
+
+def enabled(tokens: int) -> bool:
+    if tokens < 2:
+        return False
+    if FORCE is not None:
+        return FORCE
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+class Bucket:
+    """The key length every dense cache of one forward attends over (None: exact)."""
+
+    def __init__(self) -> None:
+        self.width: int | None = None
+
+
+def _width(end: int) -> int:
+    return -(-end // STEP) * STEP
+
+
+def _padded(mask: Any, width: int) -> mx.array:
+    """mlx-lm's causal mask (..., N, end), extended by False to (..., N, width)."""
+    extra = width - mask.shape[-1]
+    if extra == 0:
+        return mask
+    return mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, extra)], constant_values=False)
+
+
+def _fetch(cache: Any, width: int) -> tuple[mx.array, mx.array]:
+    """The buffer's first `width` positions, growing it (zeros) if it is shorter."""
+    short = width - cache.keys.shape[2]
+    if short > 0:
+        shape = (*cache.keys.shape[:2], short)
+        cache.keys = mx.concatenate(
+            [cache.keys, mx.zeros((*shape, cache.keys.shape[3]), cache.keys.dtype)], 2
+        )
+        cache.values = mx.concatenate(
+            [cache.values, mx.zeros((*shape, cache.values.shape[3]), cache.values.dtype)], 2
+        )
+    return cache.keys[..., :width, :], cache.values[..., :width, :]
+
+
+class _BucketedKV(KVCache):
+    _kvstate_bucket: Bucket
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        end = self.offset + N
+        self._kvstate_bucket.width = _width(end)
+        return _padded(create_causal_mask(N, self.offset, window_size=window_size), _width(end))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        exact = KVCache.update_and_fetch(self, keys, values)
+        width = self._kvstate_bucket.width
+        return exact if width is None else _fetch(self, width)
+
+
+class _BucketedBatchKV(BatchKVCache):
+    _kvstate_bucket: Bucket
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        end = self._idx + N
+        self._kvstate_bucket.width = _width(end)
+        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        return _padded(mask, _width(end))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        exact = BatchKVCache.update_and_fetch(self, keys, values)
+        width = self._kvstate_bucket.width
+        return exact if width is None else _fetch(self, width)
+
+
+_BUCKETED = {KVCache: _BucketedKV, BatchKVCache: _BucketedBatchKV}
+
+
+@contextmanager
+def bucketing(caches: list[Any]) -> Iterator[None]:
+    """Give the forward's dense caches their bucketing class, then take it back."""
+    bucket = Bucket()
+    patched = []
+    try:
+        for cache in _dense(caches):
+            patched.append((cache, type(cache)))
+            cache.__class__ = _BUCKETED[type(cache)]
+            cache._kvstate_bucket = bucket
+        yield
+    finally:
+        for cache, cls in patched:
+            cache.__class__ = cls
+            cache.__dict__.pop("_kvstate_bucket", None)
+
+
+def _dense(caches: list[Any]) -> Iterator[Any]:
+    for c in caches:
+        if isinstance(c, CacheList):
+            yield from _dense(list(c.caches))
+        elif type(c) in _BUCKETED:
+            yield c
