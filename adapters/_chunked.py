@@ -10,13 +10,14 @@ from ._convert import fresh, register_from, to_cache
 
 
 @register_from(ChunkedKVCache)
-def _(cache: ChunkedKVCache) -> ChunkedKV:
+def _(cache: ChunkedKVCache, appended: int = 0) -> ChunkedKV:
     return ChunkedKV(
         fresh(cache.keys),
         fresh(cache.values),
         chunk_size=cache.chunk_size,
         offset=cache.offset,
         start_position=cache.start_position,
+        appended=appended,
     )
 
 

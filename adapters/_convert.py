@@ -32,7 +32,7 @@ def fresh(a: Any) -> Any:
     return a[...]
 
 
-FromCache = Callable[[Any], Any]
+FromCache = Callable[[Any, int], Any]
 _FROM: dict[type, FromCache] = {}
 
 
@@ -52,8 +52,9 @@ def to_cache(state: Any) -> Any:
     )
 
 
-def from_cache(cache: Any) -> Any:
-    """One mlx-lm cache object -> a layer state holding fresh arrays."""
+def from_cache(cache: Any, appended: int = 0) -> Any:
+    """One mlx-lm cache object -> a layer state holding fresh arrays, stamped with the
+    tokens its last forward `appended` (see `kvstate.kinds.record_forward`)."""
     convert = _FROM.get(type(cache))
     if convert is None:
         known = ", ".join(sorted(c.__name__ for c in _FROM))
@@ -61,7 +62,7 @@ def from_cache(cache: Any) -> Any:
             f"from_mlx_lm: no state for cache class {type(cache).__module__}."
             f"{type(cache).__qualname__}; supported: {known}"
         )
-    return convert(cache)
+    return convert(cache, appended)
 
 
 def from_mlx_lm(caches: Any) -> Any:

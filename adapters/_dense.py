@@ -10,17 +10,17 @@ from ._convert import fresh, register_from, to_cache
 
 
 @register_from(KVCache)
-def _(cache: KVCache) -> DenseKV:
-    return DenseKV(fresh(cache.keys), fresh(cache.values), length=cache.offset)
+def _(cache: KVCache, appended: int = 0) -> DenseKV:
+    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended)
 
 
 @register_from(ConcatenateKVCache)
-def _(cache: ConcatenateKVCache) -> DenseKV:
-    return DenseKV(fresh(cache.keys), fresh(cache.values), length=cache.offset, concatenate=True)
+def _(cache: ConcatenateKVCache, appended: int = 0) -> DenseKV:
+    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended, True)
 
 
 @register_from(BatchKVCache)
-def _(cache: BatchKVCache) -> DenseKV:
+def _(cache: BatchKVCache, appended: int = 0) -> DenseKV:
     right_padding = getattr(cache, "_right_padding", None)
     if right_padding is not None:
         # Between prepare(right_padding=...) and finalize() the rows are right-padded; a
@@ -33,7 +33,7 @@ def _(cache: BatchKVCache) -> DenseKV:
         )
     # offset == _idx - left_padding in every BatchKVCache, so the state derives it.
     return DenseKV(
-        fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), length=cache._idx
+        fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), cache._idx, appended
     )
 
 

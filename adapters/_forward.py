@@ -61,7 +61,7 @@ def run(
             c.finalize()
     # Read back and stamp each layer in one pass (this runs every decode step).
     pairs = zip(caches, state.layers, strict=True)
-    new = ModelState(tuple(record_forward(from_cache(c), b, width) for c, b in pairs))
+    new = ModelState(tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs))
     if not capture:
         return Forward(logits, new, None)
     if records is not None and all(r.complete() for r in records):

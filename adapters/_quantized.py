@@ -82,13 +82,14 @@ def packed_quantized_cache(group_size: int, bits: int) -> QuantizedKVCache:
 
 
 @register_from(QuantizedKVCache)
-def _(cache: QuantizedKVCache) -> QuantizedKV:
+def _(cache: QuantizedKVCache, appended: int = 0) -> QuantizedKV:
     return QuantizedKV(
         _triple(cache.keys),
         _triple(cache.values),
         length=cache.offset,
         group_size=cache.group_size,
         bits=cache.bits,
+        appended=appended,
     )
 
 

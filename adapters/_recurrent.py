@@ -15,15 +15,18 @@ from ._convert import fresh, from_cache, register_from, to_cache
 
 
 @register_from(ArraysCache)
-def _(cache: ArraysCache) -> RecurrentState:
+def _(cache: ArraysCache, appended: int = 0) -> RecurrentState:
     return RecurrentState(
-        tuple(fresh(a) for a in cache.cache), fresh(cache.left_padding), fresh(cache.lengths)
+        tuple(fresh(a) for a in cache.cache),
+        fresh(cache.left_padding),
+        fresh(cache.lengths),
+        appended,
     )
 
 
 @register_from(CacheList)
-def _(cache: CacheList) -> ListState:
-    return ListState(tuple(from_cache(c) for c in cache.caches))
+def _(cache: CacheList, appended: int = 0) -> ListState:
+    return ListState(tuple(from_cache(c, appended) for c in cache.caches))
 
 
 @to_cache.register

@@ -43,7 +43,7 @@ def fixed_make_mask(
 
 
 @register_from(RotatingKVCache)
-def _(cache: RotatingKVCache) -> RotatingKV:
+def _(cache: RotatingKVCache, appended: int = 0) -> RotatingKV:
     return RotatingKV(
         fresh(cache.keys),
         fresh(cache.values),
@@ -51,11 +51,12 @@ def _(cache: RotatingKVCache) -> RotatingKV:
         keep=cache.keep,
         offset=cache.offset,
         index=cache._idx,
+        appended=appended,
     )
 
 
 @register_from(BatchRotatingKVCache)
-def _(cache: BatchRotatingKVCache) -> RotatingKV:
+def _(cache: BatchRotatingKVCache, appended: int = 0) -> RotatingKV:
     lengths = getattr(cache, "_lengths", None)  # from_state() skips __init__, which sets it
     if lengths is not None:
         # `_lengths` only lives between prepare() and finalize() of a right-padded prompt.
@@ -73,6 +74,7 @@ def _(cache: BatchRotatingKVCache) -> RotatingKV:
         offset=cache._offset,
         index=cache._idx,
         rotated=cache.rotated,
+        appended=appended,
     )
 
 

@@ -271,7 +271,7 @@ def record_forward(state: Any, before: Any, n: int) -> Any:
     Call it when you run a model on cache objects yourself (`wrap` does it for you); kinds
     that can lose entries during a multi-token forward (windows) keep `before`.
     """
-    return replace(state, appended=n)
+    return state if state.appended == n else replace(state, appended=n)
 
 
 @singledispatch
