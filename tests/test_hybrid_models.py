@@ -236,3 +236,25 @@ def test_checkpoints_of_the_wrong_shape_raise_shape_error(verified):
         ks.commit_prefix(after, 1, broken)
     with pytest.raises(ks.ShapeError, match="must be a tuple"):
         ks.commit_prefix(first_recurrent(after), 1, ())
+
+
+def test_one_pass_checkpoints_equal_the_token_by_token_ones(model, monkeypatch):
+    """The recording path (each mixer once over K tokens) and the replay path (the whole
+    model token by token) give the same state after every token of the verify."""
+    m = wrap(model)
+    _, state = m(mx.array([PROMPT]), m.init_state())
+    _, _, fast = m(mx.array([DRAFT]), state, capture=True)
+    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
+    _, after, slow = wrap(model)(mx.array([DRAFT]), state, capture=True)
+    pairs = zip(parts_of_checkpoints(after, fast), parts_of_checkpoints(after, slow), strict=True)
+    compared = 0
+    for one_pass, replayed in pairs:
+        for a, b in zip(one_pass or (), replayed or (), strict=True):
+            for t in range(len(DRAFT) + 1):
+                got, want = ks.checkpoint_at(a, t), ks.checkpoint_at(b, t)
+                np.testing.assert_allclose(np.array(got), np.array(want), **TOL)
+                compared += 1
+    assert compared > 0
+    assert any(
+        isinstance(c, ks.ConvWindow) for p in parts_of_checkpoints(after, fast) for c in p or ()
+    )
