@@ -287,14 +287,19 @@ __device__ __forceinline__ float kvstate_ssm_warp_sum(float v) {
 }
 """
 
-_CUDA_SOURCE = """
+# One source for both backends: MLX generates the kernel signature (inputs, outputs, the
+# template parameters, and on Metal the thread attributes the body names); only the thread
+# indices, the exponential and the warp sum differ. The Metal kernel cannot run on the Linux
+# machines this project is developed on (no Metal there): it is checked by reading, against
+# this CUDA one (run on an H200) and mlx-lm's ssm_kernel.
+_SOURCE = """
   constexpr int n_per_t = (Ds + 31) / 32;
-  const int lane = threadIdx.x;
-  const int d_idx = blockIdx.y * blockDim.y + threadIdx.y;
-  if (d_idx >= Dh) {
-    return;  // a whole warp (one state row) leaves, so the shuffles below keep 32 lanes
-  }
-  const int n = blockIdx.x;  // batch * H + head
+  const int lane = {lane};
+  const int d_idx = {row};
+  if (d_idx >= Dh) {{
+    return;  // a whole warp (one state row) leaves, so the warp sum keeps 32 lanes
+  }}
+  const int n = {block};  // batch * H + head
   const int b_idx = n / H;
   const int h_idx = n % H;
   const int g_idx = h_idx / G;
@@ -314,28 +319,28 @@ _CUDA_SOURCE = """
   auto o_state = states + (bh * Dh + d_idx) * Ds;
 
   float state[n_per_t];
-  for (int i = 0; i < n_per_t; ++i) {
+  for (int i = 0; i < n_per_t; ++i) {{
     const int s = lane + 32 * i;
     state[i] = s < Ds ? i_state[s] : 0.0f;
-  }
+  }}
 
-  for (int t = 0; t < L; ++t) {
-    const float decay = expf(dt_a_[0]);
+  for (int t = 0; t < L; ++t) {{
+    const float decay = {exp}(dt_a_[0]);
     const float x_t = static_cast<float>(x_[0]);
     const float dt_x = dt_[0] * x_t;
     float acc = 0.0f;
-    for (int i = 0; i < n_per_t; ++i) {
+    for (int i = 0; i < n_per_t; ++i) {{
       const int s = lane + 32 * i;
-      if (s < Ds) {
+      if (s < Ds) {{
         state[i] = decay * state[i] + dt_x * static_cast<float>(b_[s]);
         o_state[s] = state[i];
         acc += state[i] * static_cast<float>(c_[s]);
-      }
-    }
-    acc = kvstate_ssm_warp_sum(acc);
-    if (lane == 0) {
+      }}
+    }}
+    acc = {warp_sum}(acc);
+    if (lane == 0) {{
       y_[0] = static_cast<T>(acc + x_t * d_skip);
-    }
+    }}
 
     x_ += H * Dh;
     y_ += H * Dh;
@@ -344,75 +349,23 @@ _CUDA_SOURCE = """
     b_ += (H / G) * Ds;
     c_ += (H / G) * Ds;
     o_state += (size_t)H * Dh * Ds;
-  }
+  }}
 """
 
-# The Metal source mirrors the CUDA one line for line: MLX generates the `[[kernel]]`
-# signature (`const device X* name`, `const constant int* x_shape`, `device X* name`,
-# template parameters, and the thread attributes the body names) and dispatches exactly
-# `grid` threads, so no state row overshoots (the check stays for symmetry); simd_sum is
-# the warp sum. It cannot run on the Linux machines this project is developed on (no Metal
-# there): it is a transcription of the CUDA kernel and of mlx-lm's ssm_kernel, checked by
-# reading.
-_METAL_SOURCE = """
-  constexpr int n_per_t = (Ds + 31) / 32;
-  const int lane = thread_position_in_threadgroup.x;
-  const int d_idx = thread_position_in_grid.y;
-  if (d_idx >= Dh) {
-    return;
-  }
-  const int n = threadgroup_position_in_grid.x;  // batch * H + head
-  const int b_idx = n / H;
-  const int h_idx = n % H;
-  const int g_idx = h_idx / G;
-  const int L = x_shape[1];
-  const float d_skip = static_cast<float>(d_in[h_idx]);
-
-  // x, y: [B, L, H, Dh]; dt, dt_a: [B, L, H]; b_in, c_in: [B, L, H / G, Ds]
-  const size_t bh = (size_t)b_idx * L * H + h_idx;
-  auto x_ = x + bh * Dh + d_idx;
-  auto y_ = y + bh * Dh + d_idx;
-  auto dt_ = dt + bh;
-  auto dt_a_ = dt_a + bh;
-  auto b_ = b_in + ((size_t)b_idx * L * (H / G) + g_idx) * Ds;
-  auto c_ = c_in + ((size_t)b_idx * L * (H / G) + g_idx) * Ds;
-  // state_in: [B, H, Dh, Ds]; states: [B, L, H, Dh, Ds]
-  auto i_state = state_in + ((size_t)n * Dh + d_idx) * Ds;
-  auto o_state = states + (bh * Dh + d_idx) * Ds;
-
-  float state[n_per_t];
-  for (int i = 0; i < n_per_t; ++i) {
-    const int s = lane + 32 * i;
-    state[i] = s < Ds ? i_state[s] : 0.0f;
-  }
-
-  for (int t = 0; t < L; ++t) {
-    const float decay = metal::precise::exp(dt_a_[0]);
-    const float x_t = static_cast<float>(x_[0]);
-    const float dt_x = dt_[0] * x_t;
-    float acc = 0.0f;
-    for (int i = 0; i < n_per_t; ++i) {
-      const int s = lane + 32 * i;
-      if (s < Ds) {
-        state[i] = decay * state[i] + dt_x * static_cast<float>(b_[s]);
-        o_state[s] = state[i];
-        acc += state[i] * static_cast<float>(c_[s]);
-      }
-    }
-    acc = simd_sum(acc);
-    if (thread_index_in_simdgroup == 0) {
-      y_[0] = static_cast<T>(acc + x_t * d_skip);
-    }
-
-    x_ += H * Dh;
-    y_ += H * Dh;
-    dt_ += H;
-    dt_a_ += H;
-    b_ += (H / G) * Ds;
-    c_ += (H / G) * Ds;
-    o_state += (size_t)H * Dh * Ds;
-  }
-"""
+_CUDA = {
+    "lane": "threadIdx.x",
+    "row": "blockIdx.y * blockDim.y + threadIdx.y",
+    "block": "blockIdx.x",
+    "exp": "expf",
+    "warp_sum": "kvstate_ssm_warp_sum",
+}
+_METAL = {
+    "lane": "thread_position_in_threadgroup.x",
+    "row": "thread_position_in_grid.y",
+    "block": "threadgroup_position_in_grid.x",
+    "exp": "metal::precise::exp",
+    "warp_sum": "simd_sum",
+}
 
 
 @functools.cache
@@ -421,7 +374,7 @@ def _cuda_kernel() -> _Kernel:
         name="kvstate_ssm_steps",
         input_names=_INPUT_NAMES,
         output_names=_OUTPUT_NAMES,
-        source=_CUDA_SOURCE,
+        source=_SOURCE.format(**_CUDA),
         header=_CUDA_HEADER,
     )
     return cast(_Kernel, kernel)
@@ -433,6 +386,6 @@ def _metal_kernel() -> _Kernel:
         name="kvstate_ssm_steps",
         input_names=_INPUT_NAMES,
         output_names=_OUTPUT_NAMES,
-        source=_METAL_SOURCE,
+        source=_SOURCE.format(**_METAL),
     )
     return cast(_Kernel, kernel)
