@@ -1,0 +1,49 @@
+"""The drafter protocol: what the speculative generator asks of whatever proposes tokens.
+
+A drafter keeps whatever it needs per row of the generator's batch (a draft model's kvstate
+state, a token history...) and is told, after every verify, which tokens the target kept, so
+that it can roll its own state forward or back with the same transforms the target uses.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import mlx.core as mx
+
+from ._sampling import Sampler
+
+
+class Proposal(NamedTuple):
+    """What a drafter proposes for each row of the batch.
+
+    tokens: (B, k) int32 drafts, following each row's last token; positions past `counts[b]`
+        are filler the generator never accepts.
+    counts: drafts worth verifying per row (0 .. k); all zero means "take a plain step".
+    probs: (B, k, vocab) float32, the distribution each draft was drawn from (after the same
+        sampler transforms as the target's), or None for drafts chosen deterministically (an
+        n-gram lookup, greedy drafting): exact speculative sampling then treats each draft as
+        drawn from a point mass.
+    """
+
+    tokens: mx.array
+    counts: list[int]
+    probs: mx.array | None
+
+
+class Drafter(Protocol):
+    def start(self, prompts: list[list[int]]) -> None:
+        """The generator prefilled these prompts (one per row) into the target."""
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        """Up to `k` drafts per row, following each row's `last` token (which no state holds
+        yet). Sample with `sampler` (its `probs` and `sample`) so the drafts' distribution is
+        the one the target's acceptance rule compares against."""
+        ...
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        """The target verified `fed` (B, w): each row's last token and its drafts, and kept
+        the first `kept[b]` of row b (the last token and the accepted drafts)."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only these rows stay in the batch (the others finished), in this order."""

@@ -1,0 +1,157 @@
+"""The speculative generator: drafts, one verify forward for the whole batch, each row keeping
+its own accepted prefix (a ragged `commit_prefix` of the target's state and the drafter's).
+
+Built only from the public transforms and the wrapped-model protocol
+(`logits, state = target(tokens, state)`, `target(tokens, state, capture=True)`), so it runs
+on every architecture kvstate wraps: attention, sliding windows, recurrent and hybrid models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, cast
+
+import mlx.core as mx
+
+from .._errors import StateError, TokenError
+from .._transforms import commit_prefix, filter, merge
+from .._tree import host_ints
+from ._drafter import Drafter
+from ._sampling import Sampler, accept
+
+
+class Token(NamedTuple):
+    """One emitted token of row `row` (its index in the prompts), with the target's
+    log-probabilities over the vocabulary at its position (mlx-lm's `logprobs`)."""
+
+    row: int
+    token: int
+    logprobs: mx.array
+    from_draft: bool
+
+
+def generate(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter | None = None,
+    *,
+    k: int = 4,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    eos: Sequence[int] = (),
+    adaptive: bool = True,
+    seed: int = 0,
+) -> Iterator[list[Token]]:
+    """Generate up to `max_tokens` per prompt, yielding the tokens of each round.
+
+    `target`: a wrapped model; `prompts`: one list of ids per row (lengths may differ);
+    `drafter`: proposes up to `k` tokens per row each round (None: plain decoding); a round
+    where it proposes nothing is a plain one-token step, not a verify of filler. `sampler`:
+    greedy by default; with a temperature, exact speculative sampling keeps every token
+    distributed as the target alone would sample it. A row stops at `max_tokens` or after an
+    `eos` token. With `adaptive`, k grows by one after a round whose drafts were all accepted
+    and shrinks by one after a round with none accepted (between 1 and the given `k`).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise TokenError("generate: give at least one prompt, each with at least one token")
+    if k < 1 or max_tokens < 1:
+        raise StateError(f"generate: k and max_tokens must be >= 1; got {k}, {max_tokens}")
+    sampler = sampler or Sampler()
+    key = mx.random.key(seed)
+    rows = list(range(len(prompts)))
+    starts = [target(mx.array([list(p)]), target.init_state()) for p in prompts]
+    state = starts[0][1] if len(starts) == 1 else merge([s for _, s in starts])
+    logits = mx.concatenate([lg[:, -1] for lg, _ in starts])
+    if drafter is not None:
+        drafter.start([list(p) for p in prompts])
+    key, sub = mx.random.split(key)
+    last = host_ints(sampler.sample(sampler.probs(logits), sub))
+    counts = [0] * len(rows)
+    logprobs = _logprobs(logits)
+    round_tokens = [
+        Token(r, t, logprobs[i], False) for i, (r, t) in enumerate(zip(rows, last, strict=True))
+    ]
+    done = _finish(round_tokens, counts, max_tokens, eos)
+    yield round_tokens
+    width = k
+    while True:
+        alive = [i for i, d in enumerate(done) if not d]
+        if not alive:
+            return
+        if len(alive) < len(rows):
+            state = filter(state, alive)
+            if drafter is not None:
+                drafter.keep_rows(alive)
+            rows, last, counts = (
+                [rows[i] for i in alive],
+                [last[i] for i in alive],
+                [counts[i] for i in alive],
+            )
+        proposal = drafter.propose(last, width, sampler) if drafter is not None else None
+        if proposal is None or max(proposal.counts) == 0:
+            fed = mx.array(last, mx.int32)[:, None]
+            logits, state = target(fed, state)
+            key, sub = mx.random.split(key)
+            nxt = host_ints(sampler.sample(sampler.probs(logits[:, -1]), sub))
+            accepted = [0] * len(rows)
+            drafts: list[list[int]] = [[] for _ in rows]
+        else:
+            span = max(proposal.counts)
+            drafted = proposal.tokens[:, :span]
+            fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafted.astype(mx.int32)], 1)
+            logits, verified, checkpoints = target(fed, state, capture=True)
+            probs = None if proposal.probs is None else proposal.probs[:, :span]
+            key, sub = mx.random.split(key)
+            verdict = accept(sampler.probs(logits), drafted, probs, proposal.counts, sampler, sub)
+            accepted, nxt = verdict.accepted, verdict.next_tokens
+            state = commit_prefix(verified, [a + 1 for a in accepted], checkpoints)
+            drafts = cast(list[list[int]], drafted.tolist())
+            if adaptive:
+                if all(a == span for a in accepted):
+                    width = min(k, width + 1)
+                elif not any(accepted):
+                    width = max(1, width - 1)
+        if drafter is not None:
+            drafter.accept(fed, [a + 1 for a in accepted])
+        logprobs = _logprobs(logits)
+        round_tokens = []
+        for i, row in enumerate(rows):
+            out = [
+                Token(row, t, logprobs[i, j], True) for j, t in enumerate(drafts[i][: accepted[i]])
+            ]
+            out.append(Token(row, nxt[i], logprobs[i, accepted[i]], False))
+            round_tokens += _cut(out, counts[i], max_tokens, eos)
+        done = _finish(round_tokens, counts, max_tokens, eos, rows)
+        last = nxt
+        yield round_tokens
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _cut(tokens: list[Token], emitted: int, max_tokens: int, eos: Sequence[int]) -> list[Token]:
+    """A row's tokens of one round, up to its budget and through its first eos."""
+    kept = tokens[: max_tokens - emitted]
+    for j, t in enumerate(kept):
+        if t.token in eos:
+            return kept[: j + 1]
+    return kept
+
+
+def _finish(
+    tokens: list[Token],
+    counts: list[int],
+    max_tokens: int,
+    eos: Sequence[int],
+    rows: list[int] | None = None,
+) -> list[bool]:
+    """Count each row's emitted tokens; which rows are done (budget reached or eos)."""
+    position = {row: i for i, row in enumerate(rows)} if rows is not None else None
+    done = [False] * len(counts)
+    for t in tokens:
+        i = position[t.row] if position is not None else t.row
+        counts[i] += 1
+        done[i] = done[i] or t.token in eos
+    return [d or c >= max_tokens for d, c in zip(done, counts, strict=True)]

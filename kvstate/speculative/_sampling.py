@@ -1,0 +1,134 @@
+"""Sampling, the same for the target and its drafter, and the speculative acceptance rule.
+
+Exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023): row b accepts its draft
+i, drawn from q_i, with probability min(1, p_i(x) / q_i(x)), stops at its first rejection, and
+then draws the next token from norm(max(0, p - q)) at that position, or from p after the last
+draft if all were accepted. Every emitted token is then distributed exactly as if the target
+had sampled it alone. Greedy decoding (temperature 0) is the limit where p is a point mass:
+a draft is accepted iff it is the target's argmax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, cast
+
+import attrs
+import mlx.core as mx
+
+from .._errors import StateError
+
+
+@attrs.frozen
+class Sampler:
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 leave the distribution whole.
+    Applied identically to the target's and the drafter's logits."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        bad = []
+        if not self.temperature >= 0:
+            bad.append(f"temperature={self.temperature!r} (must be >= 0)")
+        if not 0 < self.top_p <= 1:
+            bad.append(f"top_p={self.top_p!r} (must be in (0, 1])")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            bad.append(f"top_k={self.top_k!r} (must be an int >= 0)")
+        if bad:
+            raise StateError(f"Sampler: {', '.join(bad)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: mx.array) -> mx.array:
+        """The sampling distribution (..., vocab) float32 of `logits` (..., vocab)."""
+        logits = logits.astype(mx.float32)
+        if self.greedy:
+            return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(
+                mx.float32
+            )
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = mx.sort(logits, axis=-1)[..., -self.top_k][..., None]
+            logits = mx.where(logits < kth, -mx.inf, logits)
+        probs = mx.softmax(logits, axis=-1)
+        if self.top_p < 1:
+            # Keep the smallest set of most likely tokens whose mass reaches top_p.
+            order = mx.argsort(-probs, axis=-1)
+            sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+            before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+            kept_sorted = before < self.top_p
+            kept = mx.put_along_axis(mx.zeros_like(kept_sorted), order, kept_sorted, axis=-1)
+            probs = mx.where(kept, probs, 0)
+            probs = probs / probs.sum(-1, keepdims=True)
+        return probs
+
+    def sample(self, probs: mx.array, key: mx.array | None = None) -> mx.array:
+        """One token per distribution of `probs` (..., vocab) (argmax when greedy)."""
+        if self.greedy:
+            return probs.argmax(-1).astype(mx.int32)
+        return mx.random.categorical(mx.log(probs), key=key).astype(mx.int32)
+
+
+class Verdict(NamedTuple):
+    accepted: list[int]  # drafts accepted per row
+    next_tokens: list[int]  # the token each row emits after its accepted drafts
+
+
+def accept(
+    target: mx.array,
+    drafts: mx.array,
+    draft_probs: mx.array | None,
+    counts: list[int],
+    sampler: Sampler,
+    key: mx.array | None = None,
+) -> Verdict:
+    """The acceptance rule over a batch.
+
+    target: (B, w+1, V) the target's sampling distributions after its last token and after
+    each of the w drafts; drafts: (B, w) int; draft_probs: (B, w, V) or None (point masses);
+    counts: drafts that count per row (<= w). One host sync for the whole batch.
+    """
+    width = drafts.shape[1]
+    positions = mx.arange(width)[None]
+    valid = positions < mx.array(counts)[:, None]
+    if sampler.greedy:
+        ok = (target[:, :width].argmax(-1) == drafts) & valid
+        accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
+        last = mx.take_along_axis(target, accepted[:, None, None], axis=1)[:, 0]
+        out = mx.concatenate([accepted[:, None], last.argmax(-1)[:, None].astype(mx.int32)], 1)
+        return _verdict(out)
+    keys = mx.random.split(key, 2) if key is not None else (None, None)
+    p_draft = mx.take_along_axis(target[:, :width], drafts[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_draft = mx.ones_like(p_draft)
+    else:
+        q_draft = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    u = mx.random.uniform(shape=p_draft.shape, key=keys[0])
+    ok = (u * q_draft < p_draft) & valid  # u < p / q, without dividing by a zero q
+    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
+    rejected = accepted < mx.array(counts)
+    at = accepted[:, None, None]
+    p = mx.take_along_axis(target, at, axis=1)[:, 0]
+    if draft_probs is None:
+        drafted = mx.take_along_axis(drafts, mx.minimum(accepted, width - 1)[:, None], axis=1)
+        q = (mx.arange(p.shape[-1])[None] == drafted).astype(p.dtype)
+    else:
+        padded = mx.concatenate([draft_probs, mx.zeros_like(draft_probs[:, :1])], axis=1)
+        q = mx.take_along_axis(padded, at, axis=1)[:, 0]
+    residual = mx.maximum(p - q, 0)
+    mass = residual.sum(-1, keepdims=True)
+    # At a rejection draw from the residual; after the last draft, or if rounding left the
+    # residual empty, from p itself.
+    use_residual = rejected[:, None] & (mass > 0)
+    final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
+    next_tokens = sampler.sample(final, key=keys[1])
+    return _verdict(mx.concatenate([accepted[:, None], next_tokens[:, None]], axis=1))
+
+
+def _verdict(columns: mx.array) -> Verdict:
+    """(B, 2) [accepted, next token] -> a Verdict, in one host read."""
+    rows = cast(list[list[int]], columns.tolist())
+    return Verdict([r[0] for r in rows], [r[1] for r in rows])
