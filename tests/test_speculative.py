@@ -1,0 +1,195 @@
+"""The speculative generator against the un-speculated oracle: mlx-lm's greedy `generate_step`
+on every architecture, with drafters that are right, wrong or partly right, batch 1 and a
+ragged batch; and exact speculative sampling against the target's own distribution."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvstate.adapters import _capture as capture_module
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
+from kvstate.speculative import ModelDrafter, Proposal, Sampler, accept, generate
+
+NEW = 64
+PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5], [100, 101, 102], [7, 7, 40, 41, 42]]
+
+
+class ScriptedDrafter:
+    """Proposes each row's true greedy continuation, each token right with probability `p`
+    (a wrong token otherwise): acceptance 0 (p=0), all (p=1), or random."""
+
+    def __init__(self, truth: list[list[int]], p: float, seed: int = 0) -> None:
+        self.truth, self.p = truth, p
+        self.rng = np.random.default_rng(seed)
+        self.rows = list(range(len(truth)))
+        self.emitted = [1] * len(truth)  # the first token comes from the prefill
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        drafts = []
+        for row, at in zip(self.rows, self.emitted, strict=True):
+            true = (self.truth[row] + [0] * (k + 1))[at : at + k]
+            drafts.append([t if self.rng.random() < self.p else (t + 1) % VOCAB for t in true])
+        return Proposal(mx.array(drafts, mx.int32), [k] * len(drafts), None)
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        self.emitted = [e + n for e, n in zip(self.emitted, kept, strict=True)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.emitted = [self.emitted[i] for i in rows]
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def run(target, prompts, drafter, k: int) -> tuple[list[list[int]], int]:
+    out: list[list[int]] = [[] for _ in prompts]
+    drafted = 0
+    for tokens in generate(target, prompts, drafter, k=k, max_tokens=NEW):
+        for t in tokens:
+            out[t.row].append(t.token)
+            drafted += t.from_draft
+    return out, drafted
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "qwen3", "gemma3_text", "qwen3_next", "mamba2", "nemotron_h", "falcon_h1", "lfm2"],
+)
+def test_a_ragged_batch_decodes_exactly_like_greedy(name):
+    """Three prompts of different lengths, drafts right half of the time, k = 4: every row's
+    64 tokens are mlx-lm's greedy ones (gemma3's window of 8 wraps during the verifies)."""
+    model = tiny_model(name)
+    truth = [greedy(model, p, NEW + 9) for p in PROMPTS]
+    out, drafted = run(wrap(model), PROMPTS, ScriptedDrafter(truth, 0.5), 4)
+    assert out == [t[:NEW] for t in truth]
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("p", [0.0, 1.0, 0.6])
+@pytest.mark.parametrize("k", [1, 8])
+def test_batch_one_decodes_exactly_like_greedy_for_any_acceptance_and_k(name, p, k):
+    model = tiny_model(name)
+    truth = [greedy(model, PROMPTS[0], NEW + 9)]
+    out, drafted = run(wrap(model), PROMPTS[:1], ScriptedDrafter(truth, p, seed=k), k)
+    assert out == [truth[0][:NEW]]
+    if p == 1.0:
+        assert drafted >= NEW - NEW // (k + 1) - 1  # every round accepts all k drafts
+    if p == 0.0:
+        assert drafted == 0
+
+
+def test_a_recurrent_layer_kvstate_does_not_know_is_replayed_exactly(monkeypatch):
+    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
+    model = tiny_model("qwen3_next")
+    truth = [greedy(model, p, NEW + 9) for p in PROMPTS]
+    out, _ = run(wrap(model), PROMPTS, ScriptedDrafter(truth, 0.5), 3)
+    assert out == [t[:NEW] for t in truth]
+
+
+def test_a_draft_model_drafter_and_max_tokens_and_eos():
+    model = tiny_model("qwen3_next")
+    truth = greedy(model, PROMPTS[1], 20)
+    drafter = ModelDrafter(wrap(tiny_model("qwen3_next", scale=3.8)))
+    rounds = list(generate(wrap(model), PROMPTS[1:2], drafter, k=4, max_tokens=20))
+    assert [t.token for r in rounds for t in r] == truth
+    stop = truth[7]
+    out = [
+        t.token
+        for r in generate(wrap(model), PROMPTS[1:2], None, max_tokens=20, eos=[stop])
+        for t in r
+    ]
+    assert out == truth[: truth.index(stop) + 1]
+
+
+# ---------------------------------------------------------------------------------------
+# Exact speculative sampling
+# ---------------------------------------------------------------------------------------
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    seen = expected > 0
+    assert counts[~seen].sum() == 0, "a token of probability 0 was emitted"
+    return float((((counts - expected) ** 2)[seen] / expected[seen]).sum())
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_accepted_or_resampled_tokens_follow_the_target_distribution(deterministic):
+    """40000 rows verify 3 drafts against fixed target distributions p_t; the first emitted
+    token must follow p_0, and the second (in rows that accepted the first draft) p_1, by a
+    chi-square test at the 0.1% level (df = 5: 20.5). Drafts are drawn from q (or fixed)."""
+    vocab, width, rows = 6, 3, 40000
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(vocab), size=width + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(vocab) * 0.5, size=width).astype(np.float32)
+    target = mx.broadcast_to(mx.array(p)[None], (rows, width + 1, vocab))
+    if deterministic:
+        drafts = mx.array(rng.integers(0, vocab, (rows, width)), mx.int32)
+        draft_probs = None
+    else:
+        drafts = mx.stack(
+            [
+                mx.random.categorical(mx.log(mx.array(q[i])), shape=(rows,), key=mx.random.key(i))
+                for i in range(width)
+            ],
+            axis=1,
+        ).astype(mx.int32)
+        draft_probs = mx.broadcast_to(mx.array(q)[None], (rows, width, vocab))
+    verdict = accept(
+        target, drafts, draft_probs, [width] * rows, Sampler(temperature=1.0), mx.random.key(7)
+    )
+    accepted = np.array(verdict.accepted)
+    nxt = np.array(verdict.next_tokens)
+    d = np.array(drafts)
+    first = np.where(accepted >= 1, d[:, 0], nxt)
+    assert chi_square(np.bincount(first, minlength=vocab), p[0]) < 20.5
+    went_on = accepted >= 1
+    second = np.where(accepted[went_on] >= 2, d[went_on, 1], nxt[went_on])
+    assert chi_square(np.bincount(second, minlength=vocab), p[1]) < 20.5
+
+
+def test_greedy_acceptance_is_prefix_matching():
+    target = mx.array([[[0.1, 0.9, 0], [0.8, 0.2, 0], [0, 0, 1]]] * 2)  # argmax 1, 0, 2
+    drafts = mx.array([[1, 0], [1, 1]])
+    verdict = accept(target, drafts, None, [2, 2], Sampler())
+    assert verdict.accepted == [2, 1] and verdict.next_tokens == [2, 0]
+
+
+def test_sampled_generation_matches_the_target_distribution():
+    """End to end: 300 rows sample the same prompt at temperature 1 (top_k 6) with a draft
+    model that disagrees with the target; the second token (the first that can come from a
+    draft) follows the target's distribution given the first, within total variation 0.25
+    (a rule that always accepted drafts would follow the draft model instead)."""
+    model = tiny_model("llama", num_hidden_layers=2, seed=3)
+    target = wrap(model)
+    drafter = ModelDrafter(wrap(tiny_model("llama", num_hidden_layers=2, seed=4)), seed=1)
+    sampler = Sampler(temperature=1.0, top_k=6)
+    prompt = [5, 9, 13]
+    rows = [prompt] * 300
+    pairs: dict[int, list[int]] = {}
+    emitted: list[list[int]] = [[] for _ in rows]
+    for tokens in generate(target, rows, drafter, k=3, max_tokens=2, sampler=sampler, seed=11):
+        for t in tokens:
+            emitted[t.row].append(t.token)
+    for first, second in emitted:
+        pairs.setdefault(first, []).append(second)
+    checked = 0
+    for first, seconds in pairs.items():
+        if len(seconds) < 60:
+            continue
+        logits, _ = target(mx.array([[*prompt, first]]), target.init_state())
+        want = np.array(sampler.probs(logits[0, -1]))
+        got = np.bincount(seconds, minlength=want.size) / len(seconds)
+        assert 0.5 * np.abs(got - want).sum() < 0.25, (first, len(seconds))
+        checked += 1
+    assert checked >= 1
