@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate.speculative import ModelDrafter, Proposal, Sampler, accept, generate
+from kvstate.speculative import ModelDrafter, NGramDrafter, Proposal, Sampler, accept, generate
 
 NEW = 64
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5], [100, 101, 102], [7, 7, 40, 41, 42]]
@@ -193,3 +193,27 @@ def test_sampled_generation_matches_the_target_distribution():
         assert 0.5 * np.abs(got - want).sum() < 0.25, (first, len(seconds))
         checked += 1
     assert checked >= 1
+
+
+def test_prompt_lookup_drafts_are_exact_and_nothing_proposed_means_a_plain_step(monkeypatch):
+    """An unscaled random llama repeats itself, so prompt lookup finds drafts; the output is
+    still mlx-lm's greedy output, and a round with nothing to propose runs no verify."""
+    model = tiny_model("llama", scale=1.0)
+    target = wrap(model)
+    truth = greedy(model, PROMPTS[0], NEW)
+    verifies = []
+    real_call = type(target).__call__
+
+    def counting(self, tokens, state, **kwargs):
+        if kwargs.get("capture"):
+            verifies.append(tokens.shape[1])
+        return real_call(self, tokens, state, **kwargs)
+
+    monkeypatch.setattr(type(target), "__call__", counting)
+    out, drafted = run(target, PROMPTS[:1], NGramDrafter(), 4)
+    assert out == [truth]
+    assert drafted > 0
+    assert verifies and max(verifies) <= 5
+    verifies.clear()
+    plain = [t for r in generate(target, [[1, 2, 3]], NGramDrafter(), max_tokens=2) for t in r]
+    assert len(plain) == 2 and not verifies  # nothing to look up in [1, 2, 3, x]: plain steps

@@ -20,11 +20,13 @@ import mlx.core as mx
 from ._drafter import Drafter, Proposal
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
+from ._ngram import NGramDrafter
 from ._sampling import Sampler, Verdict, accept
 
 __all__ = [
     "Drafter",
     "ModelDrafter",
+    "NGramDrafter",
     "Proposal",
     "Sampler",
     "Token",
