@@ -9,10 +9,19 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+import kvstate as ks
 from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate.speculative import ModelDrafter, NGramDrafter, Proposal, Sampler, accept, generate
+from kvstate.speculative import (
+    ModelDrafter,
+    NGramDrafter,
+    Proposal,
+    Sampler,
+    accept,
+    generate,
+    verify_paths,
+)
 
 NEW = 64
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5], [100, 101, 102], [7, 7, 40, 41, 42]]
@@ -217,3 +226,27 @@ def test_prompt_lookup_drafts_are_exact_and_nothing_proposed_means_a_plain_step(
     verifies.clear()
     plain = [t for r in generate(target, [[1, 2, 3]], NGramDrafter(), max_tokens=2) for t in r]
     assert len(plain) == 2 and not verifies  # nothing to look up in [1, 2, 3, x]: plain steps
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "mamba2"])
+def test_a_batch_of_paths_commits_what_a_linear_verify_of_the_winner_gives(name):
+    """Three candidate continuations, one forward: the winner is the path the target agrees
+    with longest, and the committed state decodes on exactly like the state after a linear
+    verify of that path, and like a forward of only the accepted tokens."""
+    model = tiny_model(name)
+    m = wrap(model)
+    prompt = PROMPTS[0]
+    truth = greedy(model, prompt, 8)
+    state = m(mx.array([prompt]), m.init_state())[1]
+    last = truth[0]
+    paths = [[truth[1], 5, 6], [truth[1], truth[2], truth[3], 9], [7, 8]]
+    verdict = verify_paths(m, state, last, paths)
+    assert (verdict.path, verdict.accepted) == (1, 3)
+    assert verdict.tokens == truth[1:5]
+    _, linear, checkpoints = m(mx.array([[last, *paths[1]]]), state, capture=True)
+    reference = ks.commit_prefix(linear, 4, checkpoints)
+    only_accepted = m(mx.array([[last, *truth[1:4]]]), state)[1]
+    probe = mx.array([[truth[4]]])
+    got = np.array(m(probe, verdict.state)[0])
+    for other in (reference, only_accepted):
+        np.testing.assert_allclose(got, np.array(m(probe, other)[0]), rtol=1e-4, atol=1e-4)

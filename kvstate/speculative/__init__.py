@@ -21,12 +21,14 @@ from ._drafter import Drafter, Proposal
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
 from ._ngram import NGramDrafter
+from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler, Verdict, accept
 
 __all__ = [
     "Drafter",
     "ModelDrafter",
     "NGramDrafter",
+    "PathVerdict",
     "Proposal",
     "Sampler",
     "Token",
@@ -34,6 +36,7 @@ __all__ = [
     "accept",
     "generate",
     "speculative_generate_step",
+    "verify_paths",
 ]
 
 
