@@ -43,8 +43,9 @@ def verify_paths(target: Any, state: Any, last: int, paths: Sequence[Sequence[in
     lengths = mx.array([len(p) for p in paths])
     agree = (best[:, :width] == drafts) & (mx.arange(width)[None] < lengths[:, None])
     accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(1)
-    winner = int(mx.argmax(accepted).item())
-    count = int(accepted[winner].item())
+    counts = cast(list[int], accepted.tolist())
+    winner = max(range(len(paths)), key=lambda p: counts[p])  # the first of the longest
+    count = counts[winner]
     chosen = row_select(verified, winner)
     picked = tree_map(lambda c: c[winner : winner + 1], checkpoints)
     kept = commit_prefix(chosen, count + 1, picked)
