@@ -50,3 +50,19 @@ def test_demo_speculative_decode_equals_plain_greedy(capsys):
     demo.main()  # asserts row by row that speculation reproduced greedy decoding
     out = capsys.readouterr().out
     assert out.count("identical") == len(demo.PROMPTS)
+
+
+def test_readme_generator_example_runs_after_the_loop(capsys):
+    namespace: dict = {}
+    exec(
+        compile(code_after("## A speculative decode loop", "python"), "README.md", "exec"),
+        namespace,
+    )
+    exec(
+        compile(code_after("## The speculative generator", "python"), "README.md", "exec"),
+        namespace,
+    )
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in printed if line.endswith(("draft", "target"))]
+    assert sum(r[0] == "0" for r in rows) == 16 and sum(r[0] == "1" for r in rows) == 16
+    assert any(r[2] == "draft" for r in rows)
