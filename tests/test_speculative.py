@@ -250,3 +250,18 @@ def test_a_batch_of_paths_commits_what_a_linear_verify_of_the_winner_gives(name)
     got = np.array(m(probe, verdict.state)[0])
     for other in (reference, only_accepted):
         np.testing.assert_allclose(got, np.array(m(probe, other)[0]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next", "falcon_h1"])
+def test_a_draft_model_keeps_step_with_a_ragged_batch(name):
+    """A draft model close to the target: rows accept different counts (its state then
+    catches up with a ragged commit), or all accept the same (its proposing state is kept,
+    a kept final draft fed next round); the output stays mlx-lm's greedy output."""
+    model = tiny_model(name)
+    truth = [greedy(model, p, 40) for p in PROMPTS]
+    drafter = ModelDrafter(wrap(tiny_model(name, scale=3.9)))
+    out: list[list[int]] = [[] for _ in PROMPTS]
+    for tokens in generate(wrap(model), PROMPTS, drafter, k=3, max_tokens=40):
+        for t in tokens:
+            out[t.row].append(t.token)
+    assert out == truth
