@@ -1,9 +1,9 @@
 """Prompt-lookup drafting on a real model: how often SmolLM2-135M-Instruct accepts drafts
 copied from its own context, and what that does to tokens per second.
 
-The drafter has no model: each round it finds the most recent earlier occurrence of the
-context's last 3 tokens (else 2, else 1, the last token included) and proposes up to 4 tokens
-that followed it. `kvstate.speculative.generate` verifies them in one forward through
+The drafter has no model (`kvstate.speculative.NGramDrafter`): each round it finds the most
+recent earlier occurrence of the context's last 3 tokens (else 2, else 1, the last token
+included) and proposes up to 4 tokens that followed it. `kvstate.speculative.generate` verifies them in one forward through
 `kvstate.adapters.wrap` and commits the accepted prefix. The baseline is plain greedy
 decoding through `wrap`, one token per forward. Greedy speculative decoding must emit the
 same tokens, which is checked.
@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
 from kvstate.adapters import wrap
 from kvstate.adapters.real_models import load_smollm2
-from kvstate.speculative import Proposal, Sampler, generate
+from kvstate.speculative import NGramDrafter, Proposal, Sampler, generate
 
 # Code that repeats itself, as code does: the continuation (__sub__, __mul__ ...) copies long
 # runs from the lines above, which is what prompt lookup bets on. It stops before the last
@@ -42,63 +42,32 @@ PROMPT = """class Vector:
     def __sub__(self, other: "Vector") -> "Vector":"""
 
 
-def lookup(context: list[int], k: int, max_n: int = 3) -> list[int]:
-    """Up to `k` tokens that followed the most recent earlier occurrence of the context's
-    last n tokens, for the longest n <= max_n that occurs earlier; [] when none does."""
-    for n in range(min(max_n, len(context) - 1), 0, -1):
-        tail = context[-n:]
-        # Scan backwards from the latest possible start, excluding the tail itself.
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start : start + n] == tail:
-                return context[start + n : start + n + k]
-    return []
-
-
-class PromptLookupDrafter:
-    """A `kvstate.speculative.Drafter` that proposes `lookup`'s tokens for each row, and
-    counts what it proposed."""
+class CountingLookup(NGramDrafter):
+    """kvstate's prompt-lookup drafter, counting what it proposes."""
 
     def __init__(self) -> None:
-        self.contexts: list[list[int]] = []
+        super().__init__(max_n=3)
         self.proposed = 0  # draft tokens offered for verification
         self.proposing_rounds = 0  # rounds where it offered at least one
 
-    def start(self, prompts: list[list[int]]) -> None:
-        self.contexts = [list(p) for p in prompts]
-
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        drafts = [lookup([*ctx, t], k) for ctx, t in zip(self.contexts, last, strict=True)]
-        counts = [len(d) for d in drafts]
-        self.proposed += sum(counts)
-        self.proposing_rounds += any(counts)
-        padded = [d + [0] * (k - len(d)) for d in drafts]  # filler is never accepted
-        return Proposal(mx.array(padded, mx.int32), counts, None)
-
-    def accept(self, fed: mx.array, kept: list[int]) -> None:
-        rows = cast(list[list[int]], fed.tolist())
-        for ctx, tokens, n in zip(self.contexts, rows, kept, strict=True):
-            ctx.extend(tokens[:n])
-
-    def keep_rows(self, rows: list[int]) -> None:
-        self.contexts = [self.contexts[i] for i in rows]
+        proposal = super().propose(last, k, sampler)
+        self.proposed += sum(proposal.counts)
+        self.proposing_rounds += any(proposal.counts)
+        return proposal
 
 
 def plain_greedy(target: Any, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding through wrap: a prefill, then one token per forward."""
-    logits, state = target(mx.array([prompt]), target.init_state())
-    tokens = [int(logits[0, -1].argmax().item())]
-    while len(tokens) < n:
-        logits, state = target(mx.array([tokens[-1:]]), state)
-        tokens.append(int(logits[0, -1].argmax().item()))
-    return tokens
+    """Greedy decoding through wrap, one token per forward (the generator with no drafter)."""
+    return [t.token for r in generate(target, [prompt], None, max_tokens=n) for t in r]
 
 
 def speculative(
     target: Any, prompt: list[int], n: int, k: int
-) -> tuple[list[int], int, int, PromptLookupDrafter]:
+) -> tuple[list[int], int, int, CountingLookup]:
     """(tokens, rounds after the prefill, drafts accepted, the drafter) of a greedy
     speculative decode with prompt lookup."""
-    drafter = PromptLookupDrafter()
+    drafter = CountingLookup()
     tokens, rounds, accepted = [], -1, 0  # the first yield is the prefill's token
     for round_tokens in generate(target, [prompt], drafter, k=k, max_tokens=n):
         rounds += 1

@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kvstate.adapters import real_models, wrap
+from kvstate.speculative import generate
 
 # No trailing newline: BPE joins a newline with the next line's indent into one token.
 CODE = "def fibonacci(n):\n    if n < 2:\n        return n"
@@ -29,14 +30,8 @@ def smollm2() -> tuple[Any, Any]:
 
 
 def wrapped_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding through kvstate: one prefill, then one token per forward."""
-    target = wrap(model)
-    logits, state = target(mx.array([prompt]), target.init_state())
-    tokens = [int(logits[0, -1].argmax().item())]
-    while len(tokens) < n:
-        logits, state = target(mx.array([tokens[-1:]]), state)
-        tokens.append(int(logits[0, -1].argmax().item()))
-    return tokens
+    """Greedy decoding through kvstate: the generator with no drafter."""
+    return [t.token for r in generate(wrap(model), [prompt], None, max_tokens=n) for t in r]
 
 
 def test_the_model_knows_the_capital_of_france(smollm2):
