@@ -39,6 +39,8 @@ def gated_delta_steps(
     beta: mx.array,
     state: mx.array,
     mask: mx.array | None = None,
+    *,
+    use_kernel: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Run the gated delta recurrence over T tokens, keeping the state after each.
 
@@ -49,6 +51,7 @@ def gated_delta_steps(
         beta: (B, T, Hv).
         state: (B, Hv, Dv, Dk), the state before token 0 (usually float32).
         mask: None, or (B, T) bool: False leaves the state unchanged at that token.
+        use_kernel: False runs the ops path on any device (the benchmarks compare them).
 
     Returns:
         y: (B, T, Hv, Dv) in q.dtype.
@@ -60,7 +63,7 @@ def gated_delta_steps(
     Hv, Dv = v.shape[2:]
     if T == 0:
         return mx.zeros((B, 0, Hv, Dv), q.dtype), mx.zeros((B, 0, Hv, Dv, Dk), state.dtype)
-    kernel = _gpu_kernel(vectorized=g.ndim == 4, masked=mask is not None)
+    kernel = _gpu_kernel(vectorized=g.ndim == 4, masked=mask is not None) if use_kernel else None
     if kernel is None:
         return _ops_steps(q, k, v, g, beta, state, mask)
     return _run_kernel(kernel, q, k, v, g, beta, state, mask)

@@ -44,6 +44,8 @@ def ssm_steps(
     state: mx.array | None,
     time_step_limit: tuple[float, float],
     mask: mx.array | None = None,
+    *,
+    use_kernel: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Run the Mamba2 SSM over L tokens, keeping the state after each.
 
@@ -58,6 +60,7 @@ def ssm_steps(
         state: (B, H, Dh, Ds), the state before token 0; None means zeros.
         time_step_limit: (min, max) for dt.
         mask: None, or (B, L) bool with each row's False entries first (left padding).
+        use_kernel: False runs the ops path on any device (the benchmarks compare them).
 
     Returns:
         y: (B, L, H, Dh) in x.dtype.
@@ -65,27 +68,10 @@ def ssm_steps(
         states[:, -1] is the state `ssm_update` would return.
     """
     dt, dt_a, state = _prepared(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask)
-    kernel = _gpu_kernel()
+    kernel = _gpu_kernel() if use_kernel else None
     if kernel is None or x.shape[1] == 0:
         return _ops_steps(x, B, C, D, dt, dt_a, state)
     return _run_kernel(kernel, x, B, C, D, dt, dt_a, state)
-
-
-def _ssm_steps_ops(
-    x: mx.array,
-    A_log: mx.array,
-    B: mx.array,
-    C: mx.array,
-    D: mx.array,
-    dt: mx.array,
-    dt_bias: mx.array,
-    state: mx.array | None,
-    time_step_limit: tuple[float, float],
-    mask: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    """`ssm_steps` through the ops path on any device (benchmarks compare it to the kernels)."""
-    dt, dt_a, state = _prepared(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask)
-    return _ops_steps(x, B, C, D, dt, dt_a, state)
 
 
 def _prepared(

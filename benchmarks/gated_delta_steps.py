@@ -127,7 +127,7 @@ def check(name: str, shape: tuple[int, int, int, int, int], dtype: mx.Dtype) -> 
                     f"{'vector' if vectorized else 'scalar'} {'mask' if masked else 'nomask'}"
                 )
                 y, states = gd.gated_delta_steps(**inputs)
-                ref_y, ref_states = gd._ops_steps(**inputs)
+                ref_y, ref_states = gd.gated_delta_steps(**inputs, use_kernel=False)
                 dy, tol_y = _diff(y, ref_y)
                 ds, tol_s = _diff(states, ref_states)
                 good = dy <= tol_y and ds <= tol_s
@@ -181,7 +181,7 @@ def timings() -> None:
         g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)
         mx.eval(g, beta)
         args = (x["q"], x["k"], x["v"], g, beta, x["state"])
-        ops = median_ms(lambda args=args: gd._ops_steps(*args, None))
+        ops = median_ms(lambda args=args: gd.gated_delta_steps(*args, use_kernel=False))
         ours = (
             "cpu: ops only"
             if backend() == "cpu: ops only"

@@ -6,7 +6,7 @@ backend on this device against its ops path and mlx-lm's `ssm_update`.
    (nemotron_h-class: B 1, H 64, Dh 64, Ds 128, G 8, bf16 x / B / C / dt / D), L in
    1, 2, 5, 9, 17, without and with a left-padded mask: max |difference| of the backend
    `ssm_steps` picks here (the CUDA kernel on an NVIDIA GPU) against
-     - its ops path on the same device (`_ssm_steps_ops`): y and every state;
+     - its ops path on the same device (`ssm_steps(..., use_kernel=False)`): y and every state;
      - mlx-lm: y and the final state of `ssm_update` on all L tokens, and every
        states[:, t] against the final state of `ssm_update` on tokens 0..t.
    PASS when every element is within its bound (`worst` is the largest |difference| /
@@ -179,7 +179,7 @@ def check(shape: Shape, seq: int, masked: bool) -> bool:
         cells.append(f"{'cpu: ops only':>27}")
         diffs = vs_mlx
     else:
-        ops_y, ops_states = ssm._ssm_steps_ops(*args)
+        ops_y, ops_states = ssm.ssm_steps(*args, use_kernel=False)
         vs_ops = [
             diff(ours_y, ops_y, mag_y, y_rtol),
             diff(ours_states, ops_states, mag_states, F32_RTOL),
@@ -234,7 +234,7 @@ def main() -> int:
     for seq in TIMED_LENGTHS:
         args = make_inputs(REAL, seq, masked=False)
         mx.eval([a for a in args if isinstance(a, mx.array)])
-        ops = median_ms(partial(ssm._ssm_steps_ops, *args))
+        ops = median_ms(partial(ssm.ssm_steps, *args, use_kernel=False))
         mlx_lm = median_ms(partial(ssm_update, *args))
         if backend_name() == "ops":
             kernel = f"{'cpu: ops only':>13}"

@@ -152,15 +152,13 @@ def _(state: RotatingKV) -> Capabilities:
         trimmable=True,
         ragged_commit=not state.keep,
         batchable=not state.keep,
-        can_roll_back=not _overwrote_slot(state),
+        can_roll_back=_can_roll_back(state),
     )
 
 
-def _overwrote_slot(state: RotatingKV) -> bool:
-    """The last forward was one token, written over an entry the window still needed."""
-    if state.appended != 1 or state.previous is not None:
-        return False
-    return not _slot_was_free(state)
+def _can_roll_back(state: RotatingKV) -> bool:
+    """False after a one-token forward that wrote over an entry the window still needed."""
+    return state.appended != 1 or state.previous is not None or _slot_was_free(state)
 
 
 def _slot_was_free(state: RotatingKV) -> bool:
@@ -417,7 +415,7 @@ def _keeping_pending(
     """
     out = combine(states)
     n = shared_appended(states)
-    if not n or n > states[0].max_size or not all(_slot_was_free_or_recorded(s) for s in states):
+    if not n or n > states[0].max_size or not all(_can_roll_back(s) for s in states):
         return out
     if n == 1:
         return replace(out, appended=1)
@@ -425,10 +423,6 @@ def _keeping_pending(
     if any(p is None for p in previous):
         return out
     return replace(out, previous=combine(previous), appended=n)  # type: ignore[arg-type]
-
-
-def _slot_was_free_or_recorded(state: RotatingKV) -> bool:
-    return state.previous is not None or (state.appended == 1 and _slot_was_free(state))
 
 
 def _merge_unpadded(states: Sequence[RotatingKV]) -> RotatingKV:
