@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from kvstate import (
     check,
     tree_flatten,
 )
-from kvstate.kinds import as_int, batch_size_of, fit_config_of
+from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 
 from ._capture import Mixer, known_mixers
 from ._convert import from_cache, from_mlx_lm
@@ -39,15 +38,16 @@ class WrappedModel:
 
     Every call first checks, without a device sync, that the state fits the model (one part
     per layer, of the kind and configuration the model's own `make_cache` gives) and that the
-    tokens are integer ids of the state's batch. States this wrapped model returned are
-    known to fit, so a decode loop that rebinds its state pays for none of it.
+    tokens are integer ids of the state's batch. States this wrapped model returned, and
+    states the kvstate transforms made from those alone, are known to fit (`kinds.vouch`):
+    a decode loop, or a speculative loop of verify and commit_prefix, pays for none of it.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._layers: tuple[dict[str, Any], ...] | None = None  # fit configs, from a probe
         self._vocab = 0
-        self._returned: weakref.WeakSet[ModelState] = weakref.WeakSet()
+        self._voucher = object()  # marks the states known to fit this model
         self._mixers: list[tuple[nn.Module, Mixer]] | None = None  # found at the first capture
 
     def init_state(self, batch_size: int = 1) -> ModelState:
@@ -100,8 +100,7 @@ class WrappedModel:
     # -- checks ------------------------------------------------------------------------------
 
     def _ours(self, state: ModelState) -> ModelState:
-        self._returned.add(state)
-        return state
+        return vouch(state, self._voucher)
 
     def _probe(self) -> tuple[dict[str, Any], ...]:
         """What each layer's state looks like for this model: the model's own caches after
@@ -121,7 +120,7 @@ class WrappedModel:
                 f"wrapped model: state must be a kvstate.ModelState; got {type(state).__name__} "
                 "(start from m.init_state(batch) or kvstate.adapters.from_mlx_lm(caches))"
             )
-        if state in self._returned:
+        if vouched(state, self._voucher):
             return
         check(state, values=False)
         found = layer_mismatches(self._probe(), state)

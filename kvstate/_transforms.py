@@ -20,6 +20,7 @@ import mlx.core as mx
 from ._errors import CommitError, ConfigMismatchError, RowError, StateError, require
 from ._shared import config_mismatches
 from ._tree import State
+from ._trust import inherit
 from ._validation import as_int, as_ints
 from .kinds import (
     Capabilities,
@@ -142,7 +143,7 @@ def commit_prefix(state: S, accepted: Any, checkpoints: Any = None) -> S:
     """
     counts = _counts(state, accepted)
     refuse_unneeded_checkpoints(state, checkpoints)
-    return commit_rows(state, counts, checkpoints)
+    return inherit(commit_rows(state, counts, checkpoints), state)
 
 
 def tile(state: S, n: int) -> S:
@@ -154,17 +155,17 @@ def tile(state: S, n: int) -> S:
     count = as_int(n, "tile: n", RowError)
     require(count >= 1, RowError, f"tile: n must be an int >= 1; got {count}")
     rows = tuple(b for b in range(batch_size_of(state)) for _ in range(count))
-    return take_rows(state, rows)
+    return inherit(take_rows(state, rows), state)
 
 
 def row_select(state: S, rows: Any) -> S:
     """Keep the given rows, in the given order (an int keeps batch 1). Padding is kept."""
-    return take_rows(state, _rows(state, rows, "row_select"))
+    return inherit(take_rows(state, _rows(state, rows, "row_select")), state)
 
 
 def filter(state: S, rows: Any) -> S:
     """Keep the given rows of a batched state and drop the left padding they all share."""
-    return filter_rows(state, _rows(state, rows, "filter"))
+    return inherit(filter_rows(state, _rows(state, rows, "filter")), state)
 
 
 def merge(states: Sequence[S]) -> S:
@@ -179,7 +180,7 @@ def merge(states: Sequence[S]) -> S:
     for i, s in enumerate(states):
         _state(s, f"merge: states[{i}]")
     _same_config(states, "merge")
-    return merge_states(states[0], states[1:])
+    return inherit(merge_states(states[0], states[1:]), *states)
 
 
 def extend(a: S, b: S) -> S:
@@ -187,14 +188,14 @@ def extend(a: S, b: S) -> S:
     _state(a, "extend: a")
     _state(b, "extend: b")
     _same_config([a, b], "extend")
-    return extend_states(a, b)
+    return inherit(extend_states(a, b), a, b)
 
 
 def extract(state: S, row: int) -> S:
     """Row `row` as an unpadded single-sequence state (batch 1)."""
     (checked,) = _rows(state, as_int(row, "extract: row", RowError), "extract")
     mx.eval(_left_paddings(state))  # one host sync for every layer's padding, not one each
-    return extract_row(state, checked)
+    return inherit(extract_row(state, checked), state)
 
 
 def _left_paddings(state: Any) -> list[mx.array]:

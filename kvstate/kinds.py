@@ -41,6 +41,7 @@ from ._shared import (
     uniform_count,
 )
 from ._tree import State, frozen_state, host_ints, replace, static_field, tree_leaves
+from ._trust import vouch, vouched
 
 __all__ = [
     "Capabilities",
@@ -74,6 +75,8 @@ __all__ = [
     "static_field",
     "take_rows",
     "uniform_count",
+    "vouch",
+    "vouched",
     "with_parts",
 ]
 

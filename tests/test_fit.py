@@ -87,17 +87,57 @@ def test_a_quantized_state_fits_the_dense_layers_it_stands_for():
     assert isinstance(after.layers[0], ks.QuantizedKV) and logits.shape == (1, 1, VOCAB)
 
 
-def test_a_decode_loop_pays_for_the_check_once(llama2, monkeypatch):
-    """States the wrapped model returned are known to fit: only the first call checks."""
+def _counting_checks(monkeypatch):
     import kvstate.adapters._wrap as wrap_module
 
     calls = []
     real = wrap_module.layer_mismatches
     monkeypatch.setattr(wrap_module, "layer_mismatches", lambda *a: calls.append(1) or real(*a))
-    state = ks.commit_prefix(prefilled(llama2), 3)  # a transform's output: not known yet
+    return calls
+
+
+def test_a_decode_loop_pays_for_the_check_once(llama2, monkeypatch):
+    """States the wrapped model returned are known to fit: only the first call checks."""
+    calls = _counting_checks(monkeypatch)
+    state = ks.adapters.from_mlx_lm(ks.adapters.to_mlx_lm(prefilled(llama2)))  # not known
     for _ in range(5):
         _, state = llama2(mx.array([[4]]), state)
     assert len(calls) == 1
+
+
+def test_transforms_of_known_states_are_known_too(llama2, monkeypatch):
+    """A speculative loop (verify, commit_prefix) and batch surgery on states the model
+    returned need no check: every transform keeps each layer's kind and configuration."""
+    calls = _counting_checks(monkeypatch)
+    a, b = prefilled(llama2), prefilled(llama2, (5, 6))
+    _, verified = llama2(mx.array([[7, 8, 9]]), a)
+    derived = [
+        ks.commit_prefix(verified, 1),
+        ks.merge([a, b]),
+        ks.extend(a, b),
+        ks.filter(ks.merge([a, b]), [1]),
+        ks.row_select(ks.tile(a, 2), 0),
+        ks.extract(ks.merge([a, b]), 0),
+    ]
+    for state in derived:
+        llama2(mx.array([[4]] * ks.batch_size(state)), state)
+    assert calls == []
+
+
+def test_states_not_only_from_this_model_are_checked(llama2, monkeypatch):
+    other = wrap(tiny_model("llama", num_hidden_layers=2))  # same config, another model
+    calls = _counting_checks(monkeypatch)
+    mine, theirs = prefilled(llama2), prefilled(other)
+    llama2(mx.array([[4]] * 2), ks.merge([mine, theirs]))
+    llama2(mx.array([[4]]), theirs)
+    llama2(mx.array([[4]]), ks.tree_map(lambda a: a, mine))  # tree_map may change anything
+    assert len(calls) == 3
+
+
+def test_a_state_known_to_one_model_is_still_refused_by_another(llama2, llama4):
+    state = ks.commit_prefix(llama4(mx.array([[1, 2]]), llama4.init_state())[1], 1)
+    with pytest.raises(ks.ConfigMismatchError, match="layers"):
+        llama2(mx.array([[3]]), state)
 
 
 @pytest.mark.parametrize(
