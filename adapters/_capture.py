@@ -271,12 +271,17 @@ def recording(mixers: list[tuple[nn.Module, Mixer]], caches: list[Any]) -> Itera
             cache.__dict__.pop(_RECORDS, None)
 
 
-def arrays_caches(caches: Any) -> Iterator[ArraysCache]:
+LIST_CACHES: tuple[type[Any], ...] = (CacheList,)
+RECURRENT_CACHES: tuple[type[Any], ...] = (ArraysCache,)
+"""Cache classes `arrays_caches` walks into / yields (`_vlm_caches` adds mlx-vlm's copies)."""
+
+
+def arrays_caches(caches: Any) -> Iterator[Any]:
     """Every ArraysCache of a model's caches, in state order (CacheList parts included)."""
     for c in caches if isinstance(caches, list) else [caches]:
-        if isinstance(c, CacheList):
+        if isinstance(c, LIST_CACHES):
             yield from arrays_caches(list(c.caches))
-        elif isinstance(c, ArraysCache):
+        elif isinstance(c, RECURRENT_CACHES):
             yield c
 
 

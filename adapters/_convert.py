@@ -57,12 +57,31 @@ def from_cache(cache: Any, appended: int = 0) -> Any:
     tokens its last forward `appended` (see `kvstate.kinds.record_forward`)."""
     convert = _FROM.get(type(cache))
     if convert is None:
-        known = ", ".join(sorted(c.__name__ for c in _FROM))
+        convert = _FROM.get(type(cache)) if _registered_vlm(cache) else None
+    if convert is None:
         raise StateError(
             f"from_mlx_lm: no state for cache class {type(cache).__module__}."
-            f"{type(cache).__qualname__}; supported: {known}"
+            f"{type(cache).__qualname__}; supported: {supported()}"
         )
     return convert(cache, appended)
+
+
+def _registered_vlm(cache: Any) -> bool:
+    """Register mlx-vlm's converters the first time one of its caches arrives (mlx_vlm is
+    imported only then: kvstate.adapters never imports it on its own)."""
+    if not type(cache).__module__.startswith("mlx_vlm."):
+        return False
+    from . import _vlm_caches  # noqa: F401  (registers on import)
+
+    return True
+
+
+def supported() -> str:
+    """The cache classes with a registered converter, by module."""
+    by_module: dict[str, list[str]] = {}
+    for c in _FROM:
+        by_module.setdefault(c.__module__, []).append(c.__qualname__)
+    return "; ".join(f"{m}: {', '.join(sorted(names))}" for m, names in sorted(by_module.items()))
 
 
 def from_mlx_lm(caches: Any) -> Any:

@@ -37,12 +37,15 @@ def run(
     lengths: Sequence[int] | None = None,
     capture: bool = False,
     mixers: list[tuple[nn.Module, Mixer]] | None = None,
+    convert: Callable[[Any], Any] = to_cache,
 ) -> Forward:
     """Run `tokens` (B, K) through `model` from `state` (both already checked).
 
     With `capture`, `mixers` are the model's known mixer instances (`_capture.known_mixers`).
+    `model(tokens, cache=caches)` returns the logits; `convert` makes its cache objects
+    (mlx-lm's by default; `_vlm_wrap` passes mlx-vlm's).
     """
-    caches = [to_cache(layer) for layer in state.layers]
+    caches = [convert(layer) for layer in state.layers]
     width = tokens.shape[1]
     padded = lengths is not None and any(n != width for n in lengths)
     if padded:
@@ -70,10 +73,16 @@ def run(
             state, new, lambda b, a: step_checkpoints(next(made), b.arrays, a)
         )
         return Forward(logits, new, checkpoints)
-    return Forward(logits, new, _replay(model, tokens, state, new))
+    return Forward(logits, new, _replay(model, tokens, state, new, convert))
 
 
-def _replay(model: nn.Module, tokens: mx.array, state: ModelState, final: ModelState) -> Any:
+def _replay(
+    model: nn.Module,
+    tokens: mx.array,
+    state: ModelState,
+    final: ModelState,
+    convert: Callable[[Any], Any] = to_cache,
+) -> Any:
     """Checkpoints of a recurrent layer kvstate cannot record: tokens 0..K-2 again, one at a
     time, from the state before the forward, keeping only the recurrent arrays of each step
     (the rest of each replayed state is dropped at once, so MLX updates the replay's KV
@@ -81,7 +90,7 @@ def _replay(model: nn.Module, tokens: mx.array, state: ModelState, final: ModelS
     steps = [_recurrent_arrays(state)]
     current = state
     for t in range(tokens.shape[1] - 1):
-        current = run(model, tokens[:, t : t + 1], current).state
+        current = run(model, tokens[:, t : t + 1], current, convert=convert).state
         steps.append(_recurrent_arrays(current))
     del current
     steps.append(_recurrent_arrays(final))

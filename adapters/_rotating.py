@@ -31,7 +31,7 @@ def fixed_make_mask(
     then lose their oldest valid entry from the mask, and a verify forward on them gives
     wrong logits (tests/test_rotating.py checks the bug is still there upstream).
     """
-    make_mask = BatchRotatingKVCache.make_mask
+    make_mask = type(self).make_mask  # mlx-lm's, or mlx-vlm's copy of it
     if N > 1 and self.rotated and self.keys is not None:
         idx = self._idx
         self._idx = self.keys.shape[2]  # what _update_concat will see after unrolling

@@ -1,0 +1,257 @@
+"""mlx-vlm cache objects <-> kvstate states (`mlx_vlm.models.cache`), O(1) like mlx-lm's.
+
+mlx-vlm keeps its own copy of every mlx-lm cache class. Where a class holds the same fields
+with the same meaning, it maps to the same kind, so a state made from either library's caches
+is the same state (tests/test_vlm_caches.py checks the fields, and the classes' own
+update_and_fetch / trim / make_mask / filter / extend / extract against the state's):
+
+    KVCache, BatchKVCache, ConcatenateKVCache  -> DenseKV
+    RotatingKVCache, BatchRotatingKVCache      -> RotatingKV
+    ArraysCache                                -> RecurrentState
+    CacheList                                  -> ListState
+    ChunkedKVCache                             -> ChunkedKV
+    QuantizedKVCache                           -> QuantizedKV
+
+mlx-vlm's ArraysCache reads `left_padding` / `lengths` through properties that subtract an
+`advance` counter (its `advance()` no longer edits the arrays in place): the state takes the
+effective values and the cache made back starts with a zero counter. A cache in the middle of
+mlx-vlm's own speculation transaction (`start_speculation` without commit or abort) is
+refused: its arrays are a tentative future that only that transaction can settle.
+
+`to_vlm_cache` gives mlx-vlm classes back; `_convert.to_cache` keeps giving mlx-lm's.
+This module imports mlx_vlm: only `kvstate.adapters.vlm` (and a lazy lookup in `_convert`
+when it meets an mlx-vlm object) imports it.
+"""
+
+from __future__ import annotations
+
+from functools import singledispatch
+from types import MethodType
+from typing import Any
+
+from mlx_lm.models import cache as lm
+from mlx_vlm.models import cache as vlm
+
+from kvstate import (
+    ChunkedKV,
+    DenseKV,
+    ListState,
+    QuantizedKV,
+    RecurrentState,
+    RotatingKV,
+    StateError,
+)
+
+from . import _capture
+from ._convert import _FROM, fresh, from_cache, register_from, to_cache
+from ._rotating import fixed_make_mask
+
+# ---------------------------------------------------------------------------------------
+# cache -> state
+# ---------------------------------------------------------------------------------------
+
+
+@register_from(vlm.KVCache)
+def _(cache: vlm.KVCache, appended: int = 0) -> DenseKV:
+    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended)
+
+
+@register_from(vlm.ConcatenateKVCache)
+def _(cache: vlm.ConcatenateKVCache, appended: int = 0) -> DenseKV:
+    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended, True)
+
+
+@register_from(vlm.BatchKVCache)
+def _(cache: vlm.BatchKVCache, appended: int = 0) -> DenseKV:
+    right_padding = getattr(cache, "_right_padding", None)
+    if right_padding is not None:
+        raise StateError(
+            "from_mlx_vlm: this BatchKVCache is between prepare() and finalize() "
+            f"(_right_padding = {right_padding.tolist()}); call cache.finalize() after the "
+            "padded prompt forward, then convert"
+        )
+    return DenseKV(
+        fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), cache._idx, appended
+    )
+
+
+@register_from(vlm.RotatingKVCache)
+def _(cache: vlm.RotatingKVCache, appended: int = 0) -> RotatingKV:
+    return RotatingKV(
+        fresh(cache.keys),
+        fresh(cache.values),
+        max_size=cache.max_size,
+        keep=cache.keep,
+        offset=cache.offset,
+        index=cache._idx,
+        appended=appended,
+    )
+
+
+@register_from(vlm.BatchRotatingKVCache)
+def _(cache: vlm.BatchRotatingKVCache, appended: int = 0) -> RotatingKV:
+    lengths = getattr(cache, "_lengths", None)
+    if lengths is not None:
+        raise StateError(
+            "from_mlx_vlm: this BatchRotatingKVCache is between prepare() and finalize() "
+            f"(_lengths = {lengths.tolist()}); call cache.finalize() after the padded "
+            "prompt forward, then convert"
+        )
+    return RotatingKV(
+        fresh(cache.keys),
+        fresh(cache.values),
+        fresh(cache.left_padding),
+        fresh(cache.offset),
+        max_size=cache.max_size,
+        offset=cache._offset,
+        index=cache._idx,
+        rotated=cache.rotated,
+        appended=appended,
+    )
+
+
+@register_from(vlm.ArraysCache)
+def _(cache: vlm.ArraysCache, appended: int = 0) -> RecurrentState:
+    if cache.is_speculating:
+        raise StateError(
+            "from_mlx_vlm: this ArraysCache is inside an mlx-vlm speculation transaction "
+            "(start_speculation() without commit_speculation() / abort_speculation()); "
+            "settle it first, then convert (kvstate rolls back with commit_prefix instead)"
+        )
+    return RecurrentState(
+        tuple(fresh(a) for a in cache.cache),
+        fresh(cache.left_padding),  # the properties: stored value minus the advance counter
+        fresh(cache.lengths),
+        appended,
+    )
+
+
+@register_from(vlm.CacheList)
+def _(cache: vlm.CacheList, appended: int = 0) -> ListState:
+    return ListState(tuple(from_cache(c, appended) for c in cache.caches))
+
+
+@register_from(vlm.ChunkedKVCache)
+def _(cache: vlm.ChunkedKVCache, appended: int = 0) -> ChunkedKV:
+    return ChunkedKV(
+        fresh(cache.keys),
+        fresh(cache.values),
+        chunk_size=cache.chunk_size,
+        offset=cache.offset,
+        start_position=cache.start_position,
+        appended=appended,
+    )
+
+
+# mlx-vlm's QuantizedKVCache holds mlx-lm's fields (keys / values triples, offset,
+# group_size, bits): kvstate's mlx-lm converter reads it as it is (the quantized kinds are
+# adapters/_quantized.py's; this module only borrows them).
+_FROM[vlm.QuantizedKVCache] = _FROM[lm.QuantizedKVCache]
+
+
+# ---------------------------------------------------------------------------------------
+# state -> cache
+# ---------------------------------------------------------------------------------------
+
+
+@singledispatch
+def to_vlm_cache(state: Any) -> Any:
+    """One layer state -> a new mlx-vlm cache object holding fresh arrays."""
+    raise StateError(
+        f"to_mlx_vlm: cannot convert a {type(state).__name__}; expected a kvstate layer state "
+        "of a kind mlx-vlm has a cache for (DenseKV, RotatingKV, RecurrentState, ListState, "
+        "ChunkedKV, QuantizedKV)"
+    )
+
+
+@to_vlm_cache.register
+def _(state: DenseKV) -> Any:
+    if state.left_padding is not None:
+        batch = vlm.BatchKVCache.__new__(vlm.BatchKVCache)
+        batch.keys, batch.values = fresh(state.keys), fresh(state.values)
+        batch.left_padding = fresh(state.left_padding)
+        batch.offset = state.length - state.left_padding
+        batch._idx = state.length
+        batch._right_padding = None
+        return batch
+    if state.concatenate:
+        concat = vlm.ConcatenateKVCache()
+        if state.keys is not None and state.values is not None:
+            concat.keys = state.keys[..., : state.length, :]
+            concat.values = state.values[..., : state.length, :]
+        concat.offset = state.length
+        return concat
+    cache = vlm.KVCache()
+    cache.keys, cache.values, cache.offset = fresh(state.keys), fresh(state.values), state.length
+    return cache
+
+
+@to_vlm_cache.register
+def _(state: RotatingKV) -> Any:
+    if state.left_padding is None:
+        cache = vlm.RotatingKVCache(state.max_size, keep=state.keep)
+        cache.keys, cache.values = fresh(state.keys), fresh(state.values)
+        cache.offset, cache._idx = state.offset, state.index
+        return cache
+    if state.keep != 0:
+        raise StateError(
+            f"to_mlx_vlm: a batched RotatingKV with keep={state.keep} has no mlx-vlm cache: "
+            "BatchRotatingKVCache has no keep prefix; batch windows made with keep=0"
+        )
+    if state.offsets is None:
+        raise StateError(
+            "to_mlx_vlm: a batched RotatingKV (left_padding set) needs per-row `offsets`; "
+            "build batched states with kvstate.merge or from_mlx_vlm"
+        )
+    batch = vlm.BatchRotatingKVCache.__new__(vlm.BatchRotatingKVCache)
+    batch.keys, batch.values = fresh(state.keys), fresh(state.values)
+    batch.left_padding, batch.offset = fresh(state.left_padding), fresh(state.offsets)
+    batch.max_size = state.max_size
+    batch._offset, batch._idx, batch.rotated = state.offset, state.index, state.rotated
+    batch._lengths = None
+    # mlx-vlm 0.7.10 copied mlx-lm's multi-token mask trim on a rotated padded ring
+    # (tests/test_vlm_caches.py checks the bug is still there upstream).
+    batch.make_mask = MethodType(fixed_make_mask, batch)  # type: ignore[method-assign]
+    return batch
+
+
+@to_vlm_cache.register
+def _(state: RecurrentState) -> Any:
+    cache = vlm.ArraysCache.__new__(vlm.ArraysCache)  # __new__ zeroes the advance counters
+    cache.cache = [fresh(a) for a in state.arrays]
+    cache.left_padding = fresh(state.left_padding)
+    cache.lengths = fresh(state.lengths)
+    return cache
+
+
+@to_vlm_cache.register
+def _(state: ListState) -> Any:
+    return vlm.CacheList(*(to_vlm_cache(s) for s in state.states))
+
+
+@to_vlm_cache.register
+def _(state: ChunkedKV) -> Any:
+    cache = vlm.ChunkedKVCache(state.chunk_size)
+    cache.keys, cache.values = fresh(state.keys), fresh(state.values)
+    cache.offset, cache.start_position = state.offset, state.start_position
+    return cache
+
+
+@to_vlm_cache.register
+def _(state: QuantizedKV) -> Any:
+    made = to_cache(state)
+    if type(made) is not lm.QuantizedKVCache:
+        raise StateError(
+            f"to_mlx_vlm: this QuantizedKV becomes an mlx-lm {type(made).__name__}, which "
+            "mlx-vlm's QuantizedKVCache (one group_size and bits for keys and values) "
+            "cannot hold"
+        )
+    # mlx-vlm allocates `dim * bits // 32` words per row: no packing fix is needed there.
+    cache = vlm.QuantizedKVCache(group_size=made.group_size, bits=made.bits)
+    cache.keys, cache.values, cache.offset = made.keys, made.values, made.offset
+    return cache
+
+
+# A capturing forward finds mlx-vlm's recurrent caches as it finds mlx-lm's.
+_capture.LIST_CACHES += (vlm.CacheList,)
+_capture.RECURRENT_CACHES += (vlm.ArraysCache,)

@@ -1,0 +1,196 @@
+"""`wrap(mlx_vlm model)`: the same pure view as for mlx-lm models, over mlx-vlm's own pieces.
+
+What differs from an mlx-lm model, and where mlx-vlm's `generate_step` is the reference:
+- the caches come from `mlx_vlm.models.cache.make_prompt_cache(model.language_model)` (the
+  language model's own `make_cache`: sliding windows and recurrent layers as mlx-vlm builds
+  them), and go to the model as mlx-vlm cache objects (`to_vlm_cache`);
+- every forward calls `model.language_model(tokens, cache=caches, ...)`, whose output is a
+  `LanguageModelOutput`: the wrapper returns its `.logits`;
+- a forward may carry the model's extra inputs (pixel values, masks, embeddings...): then the
+  embeddings come from `model.get_input_embeddings(tokens, pixel_values, mask=mask, **inputs)`
+  and the language model gets `inputs_embeds` plus every other field that call returned, as
+  `generate_step` does for a prompt. Later forwards are plain token steps, as there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_vlm.models.cache import make_prompt_cache
+
+from kvstate import ModelState, ShapeError, StateError
+from kvstate.kinds import as_int
+
+from ._capture import known_mixers
+from ._convert import from_cache, from_mlx_lm
+from ._forward import run
+from ._vlm_caches import to_vlm_cache
+from ._wrap import WrappedModel, _check_lengths, _poisoned
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()  # `pixel_values=None` is a text-only prompt through the embedding path
+
+
+class LanguageStep:
+    """`model.language_model` as `_forward.run` calls a model: `(tokens, cache=) -> logits`,
+    with the extra keyword inputs of one forward."""
+
+    def __init__(self, language_model: nn.Module, inputs: dict[str, Any]) -> None:
+        self.language_model = language_model
+        self.inputs = inputs
+
+    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        out = self.language_model(tokens, cache=cache, **self.inputs)
+        return logits_of(out)
+
+
+def logits_of(out: Any) -> mx.array:
+    """The logits of a language model's output: an array, or an object with `.logits`
+    (mlx-vlm's LanguageModelOutput). Outputs that carry state to the next step (encoder
+    outputs, cross-attention states) live outside the cache, so a state cannot hold them."""
+    if isinstance(out, mx.array):
+        return out
+    for carried in ("cross_attention_states", "encoder_outputs"):
+        if getattr(out, carried, None) is not None:
+            raise StateError(
+                f"this mlx-vlm model returns {carried}, which its generate loop feeds to every "
+                "later step outside the cache; kvstate states cannot hold it, so the model "
+                "cannot be wrapped"
+            )
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, mx.array):
+        raise StateError(
+            f"the language model returned a {type(out).__name__} without .logits; expected "
+            "an mx.array or mlx-vlm's LanguageModelOutput"
+        )
+    return logits
+
+
+class VLMWrappedModel(WrappedModel):
+    """An mlx-vlm model (`mlx_vlm.load` or built from its `Model(config)`) as a pure
+    function of (tokens, state): `logits, state = m(tokens, state)`, plus the model's extra
+    inputs on a forward that needs them:
+
+        logits, state = m(prompt, m.init_state(), pixel_values=pixels, mask=mask)
+        logits, state = m(next_token, state)
+
+    Everything else (checks, `lengths=`, `capture=`) is `WrappedModel`'s.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.language_model = cast(nn.Module, getattr(model, "language_model", model))
+
+    def _caches(self) -> list[Any]:
+        return make_prompt_cache(self.language_model)
+
+    def init_state(self, batch_size: int = 1) -> ModelState:
+        """An empty state for `batch_size` rows from the language model's own cache
+        factory (rows batched through mlx-vlm's cache classes' own `merge`)."""
+        rows = as_int(batch_size, "init_state: batch_size", ShapeError)
+        if rows < 1:
+            raise ShapeError(f"init_state: batch_size must be an int >= 1; got {batch_size!r}")
+        if rows == 1:
+            return self._ours(from_mlx_lm(self._caches()))
+        columns = zip(*(self._caches() for _ in range(rows)), strict=True)
+        return self._ours(from_mlx_lm([type(c[0]).merge(list(c)) for c in columns]))
+
+    def _probe(self) -> tuple[dict[str, Any], ...]:
+        if self._layers is None:
+            from kvstate.kinds import fit_config_of
+
+            caches = self._caches()
+            logits = LanguageStep(self.language_model, {})(mx.array([[0]]), caches)
+            self._layers = tuple(fit_config_of(from_cache(c)) for c in caches)
+            self._vocab = _vocab_size(self.model, self.language_model, int(logits.shape[-1]))
+        return self._layers
+
+    def __call__(
+        self,
+        tokens: Any,
+        state: ModelState,
+        *,
+        lengths: Sequence[int] | None = None,
+        capture: bool = False,
+        pixel_values: Any = UNSET,
+        mask: Any = None,
+        inputs_embeds: mx.array | None = None,
+        **model_inputs: Any,
+    ) -> Any:
+        """Run `tokens` (B, K) through the language model from `state`; see
+        `WrappedModel.__call__` for `lengths` and `capture`.
+
+        Extra inputs (a prompt's): `pixel_values` (None for a text-only prompt), `mask` and
+        any other keyword the model's `get_input_embeddings` takes (`image_grid_thw`...)
+        run the embedding path of mlx-vlm's `generate_step`; `inputs_embeds` (B, K, D)
+        replaces the token embeddings directly (the tokens still go along, as in mlx-vlm).
+        """
+        self._check_fits(state)
+        ids, bad = self._tokens(tokens, state)
+        if lengths is not None:
+            _check_lengths(lengths, ids.shape, capture)
+        inputs = self._inputs(ids, pixel_values, mask, inputs_embeds, model_inputs)
+        if capture and inputs:
+            raise StateError(
+                "capture=True with a prompt's extra inputs (pixel_values, mask, "
+                "inputs_embeds...): run the prompt first, then verify plain tokens with "
+                "capture=True"
+            )
+        if capture and self._mixers is None:
+            self._mixers = known_mixers(self.model)
+        step = LanguageStep(self.language_model, inputs)
+        out = run(
+            step,  # type: ignore[arg-type]
+            ids,
+            state,
+            lengths=lengths,
+            capture=capture,
+            mixers=self._mixers,
+            convert=to_vlm_cache,
+        )
+        logits, new = _poisoned(out.logits, bad), self._ours(out.state)
+        return (logits, new, out.checkpoints) if capture else (logits, new)
+
+    def _inputs(
+        self,
+        ids: mx.array,
+        pixel_values: Any,
+        mask: Any,
+        inputs_embeds: mx.array | None,
+        model_inputs: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The language model's keyword inputs for this forward ({} for a token step)."""
+        if inputs_embeds is not None:
+            if pixel_values is not UNSET:
+                raise StateError("give pixel_values or inputs_embeds, not both")
+            if tuple(inputs_embeds.shape[:2]) != tuple(ids.shape):
+                raise ShapeError(
+                    f"inputs_embeds must be (batch, K, hidden) for tokens {tuple(ids.shape)}; "
+                    f"got {tuple(inputs_embeds.shape)}"
+                )
+            return {"inputs_embeds": inputs_embeds, **model_inputs}
+        if pixel_values is UNSET and mask is None and not model_inputs:
+            return {}
+        pixels = None if pixel_values is UNSET else pixel_values
+        features = self.model.get_input_embeddings(ids, pixels, mask=mask, **model_inputs)
+        extra = {
+            k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None
+        }
+        return {**model_inputs, **extra, "inputs_embeds": features.inputs_embeds}
+
+
+def _vocab_size(model: nn.Module, language_model: nn.Module, logits_width: int) -> int:
+    for owner in (language_model, model):
+        for name in ("args", "config"):
+            vocab = getattr(getattr(owner, name, None), "vocab_size", None)
+            if isinstance(vocab, int):
+                return vocab
+    return logits_width
