@@ -12,6 +12,9 @@ so a run cut at its time limit keeps what it measured. Sections (`--only` picks 
   decode    tokens/s of plain greedy decoding through wrap vs raw (generate_step's pipelined loop)
   spec      end-to-end speculative decoding with an oracle drafter (acceptance 0.5 / 0.8 / 1.0,
             K = 2 / 4 / 8) vs plain greedy decoding, tokens/s ratio
+  anatomy   where a round's time goes (verify 5, keep 4): building the forward's graph on the
+            host, commit_prefix, and waiting for the device, kvstate vs raw mlx-lm; and the
+            same for a pipelined decode step
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/verify.py            # on the H200
     .venv/bin/python benchmarks/verify.py --small --only forward      # a smoke run on a CPU
@@ -258,7 +261,57 @@ def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 
                 f"| {produced / (rounds - 2):.2f} |")  # fmt: skip
 
 
-SECTIONS = {"forward", "round", "decode", "spec"}
+def anatomy_section(name: str, model: nn.Module, context: int, rounds: int) -> None:
+    """Host time per phase, medians over `rounds` (raw and kvstate interleaved)."""
+    m = wrap(model)
+    draft = mx.array([[1, 2, 3, 4, 5]])
+    phases: dict[str, list[float]] = {}
+
+    def note(key: str, start: float) -> float:
+        now = time.perf_counter()
+        phases.setdefault(key, []).append(now - start)
+        return now
+
+    state = copied(prefilled(m, context))
+    caches = to_mlx_lm(copied(prefilled(m, context)))
+    for _ in range(rounds + 2):
+        t = time.perf_counter()
+        logits, verified, checkpoints = m(draft, state, capture=True)
+        del state
+        t = note("kvstate: build verify graph", t)
+        logits[0, 3].argmax().item()
+        t = note("kvstate: wait for the device", t)
+        state = ks.commit_prefix(verified, 4, checkpoints)
+        del verified, checkpoints
+        note("kvstate: commit_prefix", t)
+        t = time.perf_counter()
+        raw = model(draft, cache=caches)
+        t = note("raw: build verify graph", t)
+        raw[0, 3].argmax().item()
+        t = note("raw: wait for the device", t)
+        trim_prompt_cache(caches, 1)
+        note("raw: trim", t)
+    y = mx.array([[1]])
+    for _ in range(rounds + 2):
+        t = time.perf_counter()
+        logits, state = m(y, state)
+        t = note("decode kvstate: build step graph", t)
+        mx.async_eval(logits)
+        note("decode kvstate: async_eval", t)
+        t = time.perf_counter()
+        raw = model(y, cache=caches)
+        t = note("decode raw: build step graph", t)
+        mx.async_eval(raw)
+        note("decode raw: async_eval", t)
+    mx.eval(logits, raw)
+    say(f"\n## anatomy: {name}, context {context} (ms, median of {rounds})\n")
+    say("| phase | ms |")
+    say("|---|---|")
+    for key, times in phases.items():
+        say(f"| {key} | {statistics.median(times[2:]) * 1e3:.3f} |")
+
+
+SECTIONS = {"forward", "round", "decode", "spec", "anatomy"}
 
 
 def main() -> None:
@@ -280,6 +333,8 @@ def main() -> None:
             round_section(name, model, context, 5 if args.small else 20)
         if "decode" in args.only:
             decode_section(name, model, context, 16 if args.small else 200)
+        if "anatomy" in args.only:
+            anatomy_section(name, model, context, 10 if args.small else 40)
         if "spec" in args.only:
             spec_section(name, model, context, 16 if args.small else 200)
         del model
