@@ -55,6 +55,14 @@ KNOWN_MIXERS: dict[str, Mixer] = {
     "mlx_lm.models.granitemoehybrid.GraniteMoeHybridMamba2Mixer": Mixer("conv1d", "ssm_update"),
     "mlx_lm.models.lfm2.ShortConv": Mixer("conv", None),
     "mlx_lm.models.lfm2_moe.ShortConv": Mixer("conv", None),
+    # mlx-vlm's copies of the same layers (tests/test_vlm_models.py checks each against replay).
+    "mlx_vlm.models.qwen3_next.language.Qwen3NextGatedDeltaNet": Mixer(
+        "conv1d", "gated_delta_update"
+    ),
+    "mlx_vlm.models.mamba2.language.Mamba2Block": Mixer("conv1d", "ssm_update"),
+    "mlx_vlm.models.nemotron_h.language.NemotronHMamba2Mixer": Mixer("conv1d", "ssm_update"),
+    "mlx_vlm.models.falcon_h1.language.FalconH1Mixer": Mixer("conv1d", "ssm_update"),
+    "mlx_vlm.models.lfm2.language.ShortConv": Mixer("conv", None),
 }
 """Mixers called as `mixer(hidden (B, S, D), mask=(B, S) bool or None, cache=ArraysCache)`."""
 

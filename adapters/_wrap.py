@@ -74,6 +74,26 @@ class WrappedModel:
         *,
         lengths: Sequence[int] | None = None,
         capture: bool = False,
+    def tree_forward(
+        self, tokens: Any, state: ModelState, parents: Sequence[int]
+    ) -> tuple[mx.array, ModelState, Any]:
+        """One forward of `tokens` (1, T) arranged as a tree over one copy of a batch-1
+        `state`: token q's parent is position `parents[q]` (-1 for q = 0 only; parents come
+        first). Logits at q are those of a linear forward of q's root-to-q path. Returns
+        `(logits, state with all T appended, checkpoints by position)`: keep one path with
+        `kvstate.speculative.verify_tree` (see `_tree_forward`)."""
+        from ._tree_forward import check_parents, tree_run
+
+        self._check_fits(state)
+        tokens, bad = self._tokens(tokens, state)
+        if tokens.shape[0] != 1:
+            raise StateError(f"tree_forward: takes one row of tokens; got {tokens.shape[0]}")
+        links = check_parents(parents, tokens.shape[1])
+        if self._mixers is None:
+            self._mixers = known_mixers(self.model)
+        logits, new, checkpoints = tree_run(self.model, tokens, state, links, self._mixers)
+        return _poisoned(logits, bad), self._ours(new), checkpoints
+
     ) -> Any:
         """Run `tokens` (B, K) int through the model from `state`.
 

@@ -24,6 +24,7 @@ from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler, Verdict, accept
 
+from ._tree_verify import TreeVerdict, tree_of_paths, verify_tree
 __all__ = [
     "Drafter",
     "ModelDrafter",
@@ -40,7 +41,9 @@ __all__ = [
 ]
 
 
+    "tree_of_paths",
 def speculative_generate_step(
+    "verify_tree",
     prompt: Sequence[int],
     target: Any,
     drafter: Drafter | None = None,

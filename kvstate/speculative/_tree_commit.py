@@ -1,0 +1,99 @@
+"""Commit one root-to-node path of a tree forward (`WrappedModel.tree_forward`).
+
+A tree forward appended its T tokens to every attention layer in input order, and left in
+each recurrent layer the state after its last input. Keeping the path at input positions
+`kept` (0 first, increasing) means:
+- dense KV layers: gather the path's keys and values into place (positions start + i), then
+  trim to the path's length (`commit_prefix`); the keys carry their RoPE at their depth, which
+  is their final position;
+- recurrent layers: the checkpoint after the path's last position (the tree forward's
+  checkpoints are indexed by input position, entry t = after position t - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from .._checkpoints import checkpoint_at, problem
+from .._dense import DenseKV
+from .._errors import ShapeError, StateError
+from .._recurrent import RecurrentState
+from .._transforms import commit_prefix
+from .._tree import replace
+from ..kinds import Composite, with_parts
+
+
+def commit_path(state: Any, kept: Sequence[int], checkpoints: Any) -> Any:
+    """`state` (batch 1, after a tree forward) keeping only input positions `kept`."""
+    return _commit(state, tuple(kept), checkpoints)
+
+
+def _commit(state: Any, kept: tuple[int, ...], checkpoints: Any) -> Any:
+    if isinstance(state, Composite):
+        parts = state.parts
+        per_part = checkpoints if checkpoints is not None else (None,) * len(parts)
+        if not isinstance(per_part, (tuple, list)) or len(per_part) != len(parts):
+            raise ShapeError(
+                f"tree commit: checkpoints for a {type(state).__name__} of {len(parts)} parts "
+                "must be a tuple of as many entries; pass what the tree forward returned"
+            )
+        pairs = zip(parts, per_part, strict=True)
+        return with_parts(state, tuple(_commit(p, kept, c) for p, c in pairs))
+    if isinstance(state, DenseKV):
+        return _commit_dense(state, kept)
+    if isinstance(state, RecurrentState):
+        return _commit_recurrent(state, kept, checkpoints)
+    raise StateError(
+        f"tree commit: a {type(state).__name__} layer cannot keep a tree path (supported: "
+        "DenseKV and RecurrentState layers)"
+    )
+
+
+def _commit_dense(state: DenseKV, kept: tuple[int, ...]) -> DenseKV:
+    if state.keys is None or state.values is None:
+        raise StateError("tree commit: a dense KV layer holds nothing; run the tree forward first")
+    start = state.length - state.appended
+    if list(kept) != list(range(len(kept))):  # the path is not already in place
+        index = mx.array([start + q for q in kept], mx.int32)
+        moved = [mx.take(a, index, axis=2) for a in (state.keys, state.values)]
+        # Evaluate the small gathered block first: with the gather still pending MLX cannot
+        # write into the buffer in place and would copy the whole context.
+        mx.eval(moved)
+
+        def fill(a: mx.array, block: mx.array) -> mx.array:
+            out = a[...]  # a fresh object: the assignment must not reach `state`
+            out[..., start : start + len(kept), :] = block
+            return out
+
+        state = replace(state, keys=fill(state.keys, moved[0]), values=fill(state.values, moved[1]))
+    return commit_prefix(state, len(kept))
+
+
+def _commit_recurrent(
+    state: RecurrentState, kept: tuple[int, ...], checkpoints: Any
+) -> RecurrentState:
+    n = len(state.arrays)
+    if not isinstance(checkpoints, (tuple, list)) or len(checkpoints) != n:
+        raise ShapeError(
+            f"tree commit: a RecurrentState of {n} arrays needs a tuple of {n} checkpoints; "
+            f"got {type(checkpoints).__name__}. Pass what the tree forward returned"
+        )
+    found = []
+    arrays: list[mx.array | None] = []
+    for i, (a, c) in enumerate(zip(state.arrays, checkpoints, strict=True)):
+        if a is None or c is None:
+            if (a is None) != (c is None):
+                found.append(f"[{i}]: array and checkpoint must both be None or neither")
+            arrays.append(None)
+            continue
+        why = problem(c, a, 1, state.appended)
+        if why:
+            found.append(f"[{i}]: {why}")
+            continue
+        arrays.append(checkpoint_at(c, kept[-1] + 1))
+    if found:
+        raise ShapeError("tree commit: checkpoints do not fit: " + "; ".join(found))
+    return RecurrentState(tuple(arrays), state.left_padding, state.lengths)
