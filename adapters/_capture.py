@@ -75,6 +75,8 @@ class Record:
         self.mixer: Mixer | None = None
         self.conv_input: mx.array | None = None
         self.states: mx.array | None = None
+        self.tree: Any = None  # a `_tree_forward.Tree`: the tokens follow parent pointers
+        self.conv_states: mx.array | None = None  # a tree forward's conv windows
 
     def complete(self) -> bool:
         if self.mixer is None or self.conv_input is None:
@@ -122,7 +124,11 @@ def _recording_gated_delta(
         batch, _, _, dk = q.shape
         hv, dv = v.shape[-2:]
         state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
-    y, states = gated_delta_steps(q, k, v, g, beta, state, mask)
+    tree = _tree()
+    if tree is not None:
+        y, states = tree.recurrence(gated_delta_steps, (q, k, v, g, beta), state, mask)
+    else:
+        y, states = gated_delta_steps(q, k, v, g, beta, state, mask)
     _recorded(states)
     return y, states[:, -1]
 
@@ -149,7 +155,17 @@ def _recording_ssm(
         return ssm_update(
             hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths
         )
-    y, states = ssm_steps(hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask)
+    tree = _tree()
+    if tree is not None:
+
+        def steps(x: mx.array, b: mx.array, c: mx.array, t: mx.array, s: Any, m: Any) -> Any:
+            return ssm_steps(x, A_log, b, c, D, t, dt_bias, s, time_step_limit, m)
+
+        y, states = tree.recurrence(steps, (hidden_states, B, C, dt), state, mask)
+    else:
+        y, states = ssm_steps(
+            hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask
+        )
     _recorded(states)
     # mlx-lm's y is `... + x * D`: the dtype x and D promote to (float32 for a float32 D).
     return y.astype((hidden_states[:1, :1, :1, :1] * D[:1]).dtype), states[:, -1]
@@ -159,6 +175,11 @@ _RECURRENCES: dict[str, Callable[..., Any]] = {
     "gated_delta_update": _recording_gated_delta,
     "ssm_update": _recording_ssm,
 }
+
+
+def _tree() -> Any:
+    record = _RECORD.get()
+    return None if record is None else record.tree
 
 
 def _recorded(states: mx.array) -> None:
@@ -192,6 +213,9 @@ def _make_recording_conv(cls: type) -> type:
         record = _RECORD.get()
         if record is not None:
             record.conv_input = x
+            if record.tree is not None:  # each token convolves its own ancestors' inputs
+                out, record.conv_states = record.tree.conv(lambda w: cls.__call__(self, w), x)
+                return out
         return cls.__call__(self, x)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})

@@ -67,13 +67,6 @@ class WrappedModel:
         self._probe()
         return self._vocab
 
-    def __call__(
-        self,
-        tokens: Any,
-        state: ModelState,
-        *,
-        lengths: Sequence[int] | None = None,
-        capture: bool = False,
     def tree_forward(
         self, tokens: Any, state: ModelState, parents: Sequence[int]
     ) -> tuple[mx.array, ModelState, Any]:
@@ -94,6 +87,13 @@ class WrappedModel:
         logits, new, checkpoints = tree_run(self.model, tokens, state, links, self._mixers)
         return _poisoned(logits, bad), self._ours(new), checkpoints
 
+    def __call__(
+        self,
+        tokens: Any,
+        state: ModelState,
+        *,
+        lengths: Sequence[int] | None = None,
+        capture: bool = False,
     ) -> Any:
         """Run `tokens` (B, K) int through the model from `state`.
 

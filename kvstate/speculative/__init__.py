@@ -23,8 +23,8 @@ from ._model_drafter import ModelDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler, Verdict, accept
-
 from ._tree_verify import TreeVerdict, tree_of_paths, verify_tree
+
 __all__ = [
     "Drafter",
     "ModelDrafter",
@@ -33,17 +33,18 @@ __all__ = [
     "Proposal",
     "Sampler",
     "Token",
+    "TreeVerdict",
     "Verdict",
     "accept",
     "generate",
     "speculative_generate_step",
+    "tree_of_paths",
     "verify_paths",
+    "verify_tree",
 ]
 
 
-    "tree_of_paths",
 def speculative_generate_step(
-    "verify_tree",
     prompt: Sequence[int],
     target: Any,
     drafter: Drafter | None = None,
