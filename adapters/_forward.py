@@ -3,7 +3,8 @@
 state -> fresh mlx-lm cache objects (O(1)) -> the model -> a new state, each layer stamped
 with the tokens it appended (`record_forward`). Options: `lengths` for a right-padded prompt
 batch (mlx-lm's prepare / finalize around the call), `capture` for a verify forward that also
-returns recurrent checkpoints (see `_capture`).
+returns recurrent checkpoints (see `_capture`), `projections` for the final hidden states
+(see `_hidden`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from kvstate.kinds import Composite, record_forward
 from . import _buckets as buckets
 from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
 from ._convert import from_cache, to_cache
+from ._hidden import Projection, hidden_states, recording_hidden
 
 
 class Forward(NamedTuple):
     logits: mx.array
     state: ModelState
     checkpoints: Any  # None unless capture=True
+    hidden: mx.array | None = None  # (B, K, D) when projections were given
 
 
 def run(
@@ -38,12 +41,14 @@ def run(
     capture: bool = False,
     mixers: list[tuple[nn.Module, Mixer]] | None = None,
     convert: Callable[[Any], Any] = to_cache,
+    projections: list[Projection] | None = None,
 ) -> Forward:
     """Run `tokens` (B, K) through `model` from `state` (both already checked).
 
     With `capture`, `mixers` are the model's known mixer instances (`_capture.known_mixers`).
     `model(tokens, cache=caches)` returns the logits; `convert` makes its cache objects
-    (mlx-lm's by default; `_vlm_wrap` passes mlx-vlm's).
+    (mlx-lm's by default; `_vlm_wrap` passes mlx-vlm's). With `projections` (the model's
+    `_hidden.output_projections`), also the input of its output projection.
     """
     caches = [convert(layer) for layer in state.layers]
     width = tokens.shape[1]
@@ -53,12 +58,16 @@ def run(
         for c in caches:
             c.prepare(lengths=list(lengths), right_padding=[width - n for n in lengths])
     records: list[Record] | None = None
+    sink: list[mx.array] | None = None
     with ExitStack() as scope:
         if buckets.enabled(width):
             scope.enter_context(buckets.bucketing(caches))
         if capture and not any(c.lengths is not None for c in arrays_caches(caches)):
             records = scope.enter_context(recording(mixers or [], caches))
+        if projections is not None:
+            sink = scope.enter_context(recording_hidden(projections))
         logits = model(tokens, cache=caches)
+    hidden = None if sink is None else hidden_states(sink, logits, model)
     if padded:
         for c in caches:
             c.finalize()
@@ -66,14 +75,14 @@ def run(
     pairs = zip(caches, state.layers, strict=True)
     new = ModelState(tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs))
     if not capture:
-        return Forward(logits, new, None)
+        return Forward(logits, new, None, hidden)
     if records is not None and all(r.complete() for r in records):
         made = iter(records)
         checkpoints = _per_recurrent(
             state, new, lambda b, a: step_checkpoints(next(made), b.arrays, a)
         )
-        return Forward(logits, new, checkpoints)
-    return Forward(logits, new, _replay(model, tokens, state, new, convert))
+        return Forward(logits, new, checkpoints, hidden)
+    return Forward(logits, new, _replay(model, tokens, state, new, convert), hidden)
 
 
 def _replay(

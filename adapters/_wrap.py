@@ -26,6 +26,7 @@ from ._capture import Mixer, known_mixers
 from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
 from ._forward import run
+from ._hidden import Projection, output_projections
 
 
 class WrappedModel:
@@ -49,6 +50,7 @@ class WrappedModel:
         self._vocab = 0
         self._voucher = object()  # marks the states known to fit this model
         self._mixers: list[tuple[nn.Module, Mixer]] | None = None  # found at the first capture
+        self._projections: list[Projection] | None = None  # found at the first hidden=True
 
     def init_state(self, batch_size: int = 1) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
@@ -94,6 +96,7 @@ class WrappedModel:
         *,
         lengths: Sequence[int] | None = None,
         capture: bool = False,
+        hidden: bool = False,
     ) -> Any:
         """Run `tokens` (B, K) int through the model from `state`.
 
@@ -105,7 +108,10 @@ class WrappedModel:
         `lengths`: for a right-padded batch of prompts, each row's real length; rows are
         re-aligned to left padding afterwards, as in mlx-lm's batch generation.
         `capture=True` also returns per-token checkpoints for `commit_prefix`.
-        Returns `(logits (B, K, vocab), state)` or `(logits, state, checkpoints)`.
+        `hidden=True` also returns the final hidden states (B, K, D), the input of the
+        model's output projection (`lm_head`, or the tied embedding's `as_linear`).
+        Returns `(logits (B, K, vocab), state)` or `(logits, state, checkpoints)`, with
+        `hidden` appended when asked for.
         """
         self._check_fits(state)
         tokens, bad = self._tokens(tokens, state)
@@ -113,9 +119,36 @@ class WrappedModel:
             _check_lengths(lengths, tokens.shape, capture)
         if capture and self._mixers is None:
             self._mixers = known_mixers(self.model)
+        if hidden:
+            return self._with_hidden(tokens, bad, state, lengths, capture)
         out = run(self.model, tokens, state, lengths=lengths, capture=capture, mixers=self._mixers)
         logits, new = _poisoned(out.logits, bad), self._ours(out.state)
         return (logits, new, out.checkpoints) if capture else (logits, new)
+
+    def _with_hidden(
+        self,
+        tokens: mx.array,
+        bad: mx.array | None,
+        state: ModelState,
+        lengths: Sequence[int] | None,
+        capture: bool,
+    ) -> tuple[Any, ...]:
+        """`__call__` with hidden=True, kept apart so the decode path stays as it was."""
+        if self._projections is None:
+            self._projections = output_projections(self.model)
+        out = run(
+            self.model,
+            tokens,
+            state,
+            lengths=lengths,
+            capture=capture,
+            mixers=self._mixers,
+            projections=self._projections,
+        )
+        logits, new = _poisoned(out.logits, bad), self._ours(out.state)
+        assert out.hidden is not None
+        hidden = _poisoned(out.hidden, bad)
+        return (logits, new, out.checkpoints, hidden) if capture else (logits, new, hidden)
 
     # -- checks ------------------------------------------------------------------------------
 

@@ -20,13 +20,16 @@ import mlx.core as mx
 from ._drafter import Drafter, Proposal
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
+from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler, Verdict, accept
 from ._tree_verify import TreeVerdict, tree_of_paths, verify_tree
 
 __all__ = [
+    "DraftHead",
     "Drafter",
+    "MTPDrafter",
     "ModelDrafter",
     "NGramDrafter",
     "PathVerdict",

@@ -32,6 +32,11 @@ class Proposal(NamedTuple):
 
 
 class Drafter(Protocol):
+    """Optional: a drafter with a true `uses_hidden` attribute (MTP-style heads) gets the
+    target's final hidden states as a keyword, `start(prompts, hidden=[(1, L, D) per
+    prompt])` and `accept(fed, kept, hidden=(B, w, D) over fed)`; the target then runs with
+    `hidden=True`. Other drafters are called exactly as below."""
+
     def start(self, prompts: list[list[int]]) -> None:
         """The generator prefilled these prompts (one per row) into the target."""
 

@@ -59,11 +59,14 @@ def generate(
     sampler = sampler or Sampler()
     key = mx.random.key(seed)
     rows = list(range(len(prompts)))
-    starts = [target(mx.array([list(p)]), target.init_state()) for p in prompts]
-    state = starts[0][1] if len(starts) == 1 else merge([s for _, s in starts])
-    logits = mx.concatenate([lg[:, -1] for lg, _ in starts])
+    # A drafter with `uses_hidden` (MTP heads) also gets the target's final hidden states.
+    extra = {"hidden": True} if getattr(drafter, "uses_hidden", False) else {}
+    starts = [target(mx.array([list(p)]), target.init_state(), **extra) for p in prompts]
+    state = starts[0][1] if len(starts) == 1 else merge([s[1] for s in starts])
+    logits = mx.concatenate([s[0][:, -1] for s in starts])
     if drafter is not None:
-        drafter.start([list(p) for p in prompts])
+        seen = {"hidden": [s[2] for s in starts]} if extra else {}
+        drafter.start([list(p) for p in prompts], **seen)
     key, sub = mx.random.split(key)
     last = host_ints(sampler.sample(sampler.probs(logits), sub))
     counts = [0] * len(rows)
@@ -90,7 +93,7 @@ def generate(
         proposal = drafter.propose(last, width, sampler) if drafter is not None else None
         if proposal is None or max(proposal.counts) == 0:
             fed = mx.array(last, mx.int32)[:, None]
-            logits, state = target(fed, state)
+            logits, state, *hidden = target(fed, state, **extra)
             key, sub = mx.random.split(key)
             nxt = host_ints(sampler.sample(sampler.probs(logits[:, -1]), sub))
             accepted = [0] * len(rows)
@@ -99,7 +102,7 @@ def generate(
             span = max(proposal.counts)
             drafted = proposal.tokens[:, :span]
             fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafted.astype(mx.int32)], 1)
-            logits, verified, checkpoints = target(fed, state, capture=True)
+            logits, verified, checkpoints, *hidden = target(fed, state, capture=True, **extra)
             probs = None if proposal.probs is None else proposal.probs[:, :span]
             key, sub = mx.random.split(key)
             verdict = accept(sampler.probs(logits), drafted, probs, proposal.counts, sampler, sub)
@@ -112,7 +115,8 @@ def generate(
                 elif not any(accepted):
                     width = max(1, width - 1)
         if drafter is not None:
-            drafter.accept(fed, [a + 1 for a in accepted])
+            seen = {"hidden": hidden[0]} if extra else {}
+            drafter.accept(fed, [a + 1 for a in accepted], **seen)
         logprobs = _logprobs(logits)
         round_tokens = []
         for i, row in enumerate(rows):

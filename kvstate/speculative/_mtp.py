@@ -1,0 +1,120 @@
+"""A drafter that proposes from the target's last hidden state: MTP-style draft heads.
+
+Position i of a draft head takes the target's final hidden state at i - 1 (zeros at the
+first position) and token i, and predicts token i + 1, returning its own hidden state,
+which the next draft step takes instead of the target's (DeepSeek-V3's multi-token
+prediction, chained). So the head's state covers the same positions as the target's, and a
+head that ignores the hidden states and runs the target itself drafts exactly what the
+target would decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from .._transforms import commit_prefix, filter, merge
+from ._drafter import Proposal
+from ._sampling import Sampler
+
+
+class DraftHead(Protocol):
+    """What MTPDrafter asks of a head (`kvstate.adapters.MTPHead` is a ready-made one)."""
+
+    def init_state(self, batch_size: int = 1) -> Any:
+        """An empty state (a kvstate state) for `batch_size` rows."""
+        ...
+
+    def __call__(
+        self, hidden: mx.array, tokens: mx.array, state: Any, *, capture: bool = False
+    ) -> tuple[Any, ...]:
+        """hidden (B, K, D), tokens (B, K) from `state` -> (logits (B, K, V), hidden
+        (B, K, D), state), with the checkpoints for `commit_prefix` appended when `capture`."""
+        ...
+
+
+class MTPDrafter:
+    """Drafts k tokens per row with a draft head fed from the target's final hidden states.
+
+    Each proposal runs the head k times, one token at a time: first on the target's hidden
+    state at the row's last kept token and the row's `last` token, then on its own hidden
+    state and its own draft. After the verify, the head's state keeps the first step (its
+    inputs were the target's) and catches up on the accepted drafts with the target's hidden
+    states from the verify (one forward; a capturing one and a ragged `commit_prefix` when
+    rows kept different counts), so every kept position saw the target's hidden state.
+
+    `uses_hidden = True` tells the generator to pass the target's hidden states to `start`
+    and `accept`.
+    """
+
+    uses_hidden = True
+
+    def __init__(self, head: DraftHead, seed: int = 0) -> None:
+        self.head = head
+        self.key = mx.random.key(seed)
+        self.state: Any = None  # every kept position but the last token's
+        self.pending: mx.array | None = None  # (B, 1, D): the target's hidden at the last kept
+        self._first_step: Any = None  # the state after a proposal's first step
+
+    def start(self, prompts: list[list[int]], hidden: list[mx.array] | None = None) -> None:
+        """`hidden`: the target's hidden states over each prompt, (1, L, D) per row."""
+        if hidden is None or len(hidden) != len(prompts):
+            raise ValueError("MTPDrafter.start: needs the target's hidden states per prompt")
+        states, pending = [], []
+        for prompt, h in zip(prompts, hidden, strict=True):
+            before = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+            states.append(self.head(before, mx.array([prompt]), self.head.init_state())[2])
+            pending.append(h[:, -1:])
+        self.state = states[0] if len(states) == 1 else merge(states)
+        self.pending = mx.concatenate(pending, axis=0)
+        self._first_step = None
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        if self.pending is None:
+            raise ValueError("MTPDrafter.propose: call start first")
+        hidden, state = self.pending, self.state
+        y = mx.array(last, mx.int32)[:, None]
+        tokens, probs = [], []
+        for step in range(k):
+            logits, hidden, state = self.head(hidden, y, state)
+            if step == 0:
+                self._first_step = state
+            q = sampler.probs(logits[:, -1])
+            self.key, key = mx.random.split(self.key)
+            y = sampler.sample(q, key)[:, None]
+            tokens.append(y)
+            probs.append(q[:, None])
+        drafted = mx.concatenate(tokens, axis=1)
+        distributions = None if sampler.greedy else mx.concatenate(probs, axis=1)
+        return Proposal(drafted, [k] * len(last), distributions)
+
+    def accept(self, fed: mx.array, kept: list[int], hidden: mx.array | None = None) -> None:
+        """`hidden`: the target's hidden states (B, w, D) over `fed` (B, w)."""
+        if hidden is None or self.pending is None:
+            raise ValueError("MTPDrafter.accept: needs the target's hidden states over `fed`")
+        width = fed.shape[1]
+        if self._first_step is not None:  # (pending, last) is in it: the drafts remain
+            state, counts = self._first_step, [n - 1 for n in kept]
+            inputs, tokens = hidden[:, : width - 1], fed[:, 1:]
+        else:  # a round without a proposal (a plain step)
+            state, counts = self.state, kept
+            inputs = mx.concatenate([self.pending, hidden[:, : width - 1]], axis=1)
+            tokens = fed
+        self._first_step = None
+        span = max(counts)
+        if span > 0 and len(set(counts)) == 1:
+            state = self.head(inputs[:, :span], tokens[:, :span], state)[2]
+        elif span > 0:
+            _, _, verified, checkpoints = self.head(
+                inputs[:, :span], tokens[:, :span], state, capture=True
+            )
+            state = commit_prefix(verified, counts, checkpoints)
+        self.state = state
+        at = mx.array([n - 1 for n in kept])[:, None, None]
+        self.pending = mx.take_along_axis(hidden, at, axis=1)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.state = filter(self.state, rows)
+        if self.pending is not None:
+            self.pending = self.pending[mx.array(rows)]
