@@ -18,11 +18,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from verify import BIG, build, copied, prefilled, say
 
 import kvstate as ks
 from kvstate.adapters import _wrap, to_mlx_lm, wrap
-
-from verify import BIG, build, copied, prefilled, say
 
 
 def rounds(m: Any, base: Any, pattern: Callable[[int], int], k: int, n: int, hold: bool) -> float:
