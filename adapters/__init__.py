@@ -4,6 +4,7 @@
 from . import _chunked, _dense, _quantized, _recurrent, _rotating  # noqa: F401
 from ._convert import from_mlx_lm, to_mlx_lm
 from ._mtp_head import MTPHead
+from ._quantized_attention import route_attention
 from ._wrap import WrappedModel, wrap
 
-__all__ = ["MTPHead", "WrappedModel", "from_mlx_lm", "to_mlx_lm", "wrap"]
+__all__ = ["MTPHead", "WrappedModel", "from_mlx_lm", "route_attention", "to_mlx_lm", "wrap"]

@@ -23,6 +23,7 @@ from . import _buckets as buckets
 from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
 from ._convert import from_cache, to_cache
 from ._hidden import Projection, hidden_states, recording_hidden
+from ._quantized_attention import needs_routing, route_attention
 
 
 class Forward(NamedTuple):
@@ -51,6 +52,8 @@ def run(
     `_hidden.output_projections`), also the input of its output projection.
     """
     caches = [convert(layer) for layer in state.layers]
+    if needs_routing(model, caches):  # a QuantizedKV that only kvstate's attention reads
+        route_attention(model)
     width = tokens.shape[1]
     padded = lengths is not None and any(n != width for n in lengths)
     if padded:

@@ -22,6 +22,7 @@ from ._errors import (
 )
 from ._io import load, save
 from ._quantized import QuantizedKV, packed_width, quantize
+from ._quantized_attention import quantized_attention
 from ._recurrent import RecurrentState
 from ._rotating import RotatingKV
 from ._transforms import (
@@ -74,6 +75,7 @@ __all__ = [
     "nbytes",
     "packed_width",
     "quantize",
+    "quantized_attention",
     "row_select",
     "save",
     "snapshot",

@@ -433,6 +433,13 @@ def _decode_state(
         )
     static_names = cls.__kvstate_statics__  # type: ignore[attr-defined]
     child_names = cls.__kvstate_children__  # type: ignore[attr-defined]
+    upgrade = getattr(cls, "__kvstate_upgrade__", None)  # a kind whose fields changed
+    if (
+        upgrade is not None
+        and isinstance(statics, dict) and isinstance(kids, dict)
+        and (set(statics) != set(static_names) or set(kids) != set(child_names))
+    ):  # fmt: skip
+        statics, kids = upgrade(statics, kids) or (statics, kids)
     if not (
         isinstance(statics, dict) and set(statics) == set(static_names)
         and isinstance(kids, dict) and set(kids) == set(child_names)

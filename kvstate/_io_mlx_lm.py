@@ -248,8 +248,10 @@ def _quantized(r: _Reader, s: Tree) -> QuantizedKV:
         r.triple(keys),
         r.triple(values),
         length=r.int(offset),
-        group_size=r.int(group_size),
-        bits=r.int(bits),
+        key_bits=r.int(bits),
+        value_bits=r.int(bits),
+        key_group_size=r.int(group_size),
+        value_group_size=r.int(group_size),
     )
 
 

@@ -1,12 +1,16 @@
-"""QuantizedKV: mlx-lm's QuantizedKVCache, and `quantize` (a DenseKV -> a QuantizedKV).
+"""QuantizedKV: quantized keys and values, each side with its own bits, group size and
+zero-channel pad, an optional seeded rotation, and left padding; and `quantize` (a DenseKV ->
+a QuantizedKV).
 
-Like mlx-lm's QuantizedKVCache this kind is unpadded: every row holds `length` tokens at
-buffer positions [0, length). So a commit keeps one count for all rows, and a merge batches
-states of one length only (mlx-lm has no batched quantized cache to mirror, and a left
-padding here would need a masked quantized attention no mlx-lm model computes).
+Each of keys / values is an `mx.quantize` triple of the side's rotated, padded rows (see
+`_quant_codec.Codec`): packed uint32 (B, H, T, (D+pad)*bits//32), scales and biases
+(B, H, T, (D+pad)//group_size). Like DenseKV, row b holds its tokens at buffer positions
+[left_padding[b], length) (left_padding None: every row at [0, length)), so merge / extend
+take states of different lengths and commit_prefix takes ragged counts.
 
-Each of keys / values is an `mx.quantize` triple: packed uint32 (B, H, T, D * bits // 32),
-scales and biases (B, H, T, D // group_size).
+The unpadded, unrotated, equal-bits form with no left padding is exactly mlx-lm's
+QuantizedKVCache; every other form runs through kvstate's quantized attention
+(`kvstate.quantized_attention`), which the adapters route a model's attention to.
 """
 
 from __future__ import annotations
@@ -16,12 +20,21 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import DenseKV, used
-from ._errors import ConfigMismatchError, ShapeError, StateError, require
+from ._dense import DenseKV, padding_or_zeros, used
+from ._errors import ConfigMismatchError, StateError, require
+from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._rotating import RotatingKV
-from ._shared import kv_config, shared_appended, uniform_count
-from ._tree import State, replace
-from ._validation import array_problems, is_int, static_int, typed_statics
+from ._rotations import ROTATIONS, rotation_problems
+from ._shared import kv_config, shared_appended
+from ._tree import State, host_ints, replace
+from ._validation import (
+    array_problems,
+    ints_within,
+    is_int,
+    rows_problems,
+    static_int,
+    typed_statics,
+)
 from .kinds import (
     Capabilities,
     Composite,
@@ -29,6 +42,7 @@ from .kinds import (
     commit_rows,
     config_of,
     extract_row,
+    filter_rows,
     fit_config_of,
     merge_states,
     problems,
@@ -38,35 +52,80 @@ from .kinds import (
     with_parts,
 )
 
-Quantized = tuple[mx.array, mx.array, mx.array]
-"""(packed uint32 (B, H, T, D*bits//32), scales (B, H, T, D//group), biases (same))."""
-
-
-@state_class(Capabilities(trimmable=True, ragged_commit=False, batchable=False))
-class QuantizedKV(State):
-    """Quantized keys and values (`mx.quantize` triples) in a capacity buffer; positions
-    [0, length) are in use, by every row (no left padding)."""
-
-    keys: Quantized | None = None
-    values: Quantized | None = None
-    length: int = static_field(default=0)
-    group_size: int = static_field(default=64)
-    bits: int = static_field(default=8)
-    appended: int = static_field(default=0)
-
-
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-def packed_width(dim: int, bits: int) -> int:
-    """uint32 words per row of `dim` values at `bits` bits: what `mx.quantize` emits."""
-    return dim * bits // 32
+@state_class(Capabilities(trimmable=True, ragged_commit=True, batchable=True))
+class QuantizedKV(State):
+    """Quantized keys and values in a capacity buffer; positions [0, length) are in use, row b
+    from left_padding[b] on (None: from 0).
+
+    keys / values: `mx.quantize` triples (B, H, capacity, ...), see the module docstring.
+    key_bits / value_bits in (2, 3, 4, 5, 6, 8); key_group_size / value_group_size in
+    (32, 64, 128); key_pad / value_pad: zero channels appended to each row to make the head
+    dim a whole number of groups (0 while empty: the first forward sets them); rotation in
+    ("none", "so4", "hadamard") with `seed`, rebuilt from these statics, applied to the keys
+    (and the queries) and the values (and inversely to the attention output).
+    """
+
+    keys: Quantized | None = None
+    values: Quantized | None = None
+    left_padding: mx.array | None = None
+    length: int = static_field(default=0)
+    appended: int = static_field(default=0)
+    key_bits: int = static_field(default=8)
+    value_bits: int = static_field(default=8)
+    key_group_size: int = static_field(default=64)
+    value_group_size: int = static_field(default=64)
+    key_pad: int = static_field(default=0)
+    value_pad: int = static_field(default=0)
+    rotation: str = static_field(default="none")
+    seed: int = static_field(default=0)
+
+    @staticmethod
+    def __kvstate_upgrade__(statics: dict[str, Any], children: dict[str, Any]) -> Any:
+        """Fields of a file written before keys and values had their own bits (statics
+        length, group_size, bits, appended; children keys, values) -> today's fields."""
+        if set(statics) != {"length", "group_size", "bits", "appended"}:
+            return None
+        if set(children) != {"keys", "values"}:
+            return None
+        bits, group = statics["bits"], statics["group_size"]
+        upgraded = {
+            **{k: v for k, v in statics.items() if k not in ("bits", "group_size")},
+            "key_bits": bits,
+            "value_bits": bits,
+            "key_group_size": group,
+            "value_group_size": group,
+            "key_pad": 0,
+            "value_pad": 0,
+            "rotation": "none",
+            "seed": 0,
+        }
+        return upgraded, {**children, "left_padding": None}
 
 
-def head_dim(q: Quantized, bits: int) -> int:
-    """The unquantized last dimension of a triple."""
-    return int(q[0].shape[-1]) * 32 // bits
+def key_codec(state: QuantizedKV) -> Codec:
+    return Codec(state.key_bits, state.key_group_size, state.key_pad, state.rotation, state.seed)
+
+
+def value_codec(state: QuantizedKV) -> Codec:
+    return Codec(
+        state.value_bits, state.value_group_size, state.value_pad, state.rotation, state.seed
+    )
+
+
+def is_mlx_lm_form(state: QuantizedKV) -> bool:
+    """Whether mlx-lm's QuantizedKVCache (and its attention) can hold this state exactly."""
+    return (
+        state.left_padding is None
+        and state.key_bits == state.value_bits
+        and state.key_group_size == state.value_group_size
+        and state.key_pad == state.value_pad == 0
+        and state.rotation == "none"
+        and state.seed == 0
+    )
 
 
 def used_q(q: Quantized, length: int) -> Quantized:
@@ -78,32 +137,75 @@ def _map_q(fn: Any, q: Quantized) -> Quantized:
     return (fn(q[0]), fn(q[1]), fn(q[2]))
 
 
+def _arrays(state: QuantizedKV) -> list[mx.array]:
+    assert state.keys is not None and state.values is not None
+    return [*state.keys, *state.values]
+
+
+def _with_arrays(state: QuantizedKV, arrays: Sequence[mx.array], **changes: Any) -> QuantizedKV:
+    a = list(arrays)
+    return replace(state, keys=(a[0], a[1], a[2]), values=(a[3], a[4], a[5]), **changes)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
 @problems.register
 def _(state: QuantizedKV, values: bool) -> list[str]:
-    found = typed_statics(state, length=0, appended=0, bits=0, group_size=1)
+    found = typed_statics(
+        state,
+        length=0,
+        appended=0,
+        key_bits=0,
+        value_bits=0,
+        key_group_size=1,
+        value_group_size=1,
+        key_pad=0,
+        value_pad=0,
+        seed=0,
+    )
     if found:
         return found
-    if state.bits not in BITS:
-        found.append(f"bits: {state.bits} is not one of {list(BITS)}")
+    for side in ("key", "value"):
+        bits, group = getattr(state, f"{side}_bits"), getattr(state, f"{side}_group_size")
+        if bits not in BITS:
+            found.append(f"{side}_bits: {bits} is not one of {list(BITS)}")
+        if group not in GROUP_SIZES:
+            found.append(f"{side}_group_size: {group} is not one of {list(GROUP_SIZES)}")
+        pad = getattr(state, f"{side}_pad")
+        if not 0 <= pad < group:
+            found.append(f"{side}_pad: {pad} zero channels; a pad is in 0..group_size-1")
+    if state.rotation not in ROTATIONS:
+        found.append(f"rotation: {state.rotation!r} is not one of {list(ROTATIONS)}")
     if (state.keys is None) != (state.values is None):
         return [*found, "keys and values must both be triples or both None"]
+    if found:
+        return found
     capacity = 0
     if state.keys is not None and state.values is not None:
-        triples = {"keys": state.keys, "values": state.values}
-        for name, q in triples.items():
-            found += _triple_problems(name, q, state)
+        triples = {
+            "keys": (state.keys, key_codec(state)),
+            "values": (state.values, value_codec(state)),
+        }
+        for name, (q, codec) in triples.items():
+            found += _triple_problems(name, q, codec)
         if found:
             return found
-        shapes = {tuple(a.shape[:3]) for q in triples.values() for a in q}
+        shapes = {tuple(a.shape[:3]) for q, _ in triples.values() for a in q}
         if len(shapes) > 1:
             return [f"keys and values disagree in batch, heads or capacity: {sorted(shapes)}"]
         capacity = int(state.keys[0].shape[2])
+    batch = batch_size_of(state)
+    found += rows_problems("left_padding", state.left_padding, batch)
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
+    if values and not found:
+        top = state.length if state.keys is not None else 2**31 - 1
+        found += ints_within("left_padding", state.left_padding, 0, top)
     return found
 
 
-def _triple_problems(name: str, q: Any, state: QuantizedKV) -> list[str]:
+def _triple_problems(name: str, q: Any, codec: Codec) -> list[str]:
     if not (isinstance(q, tuple) and len(q) == 3):
         return [f"{name}: must be a (packed, scales, biases) tuple; got {type(q).__name__}"]
     found = [m for i, a in enumerate(q) for m in array_problems(f"{name}[{i}]", a, 4)]
@@ -116,13 +218,19 @@ def _triple_problems(name: str, q: Any, state: QuantizedKV) -> list[str]:
         found.append(
             f"{name}: scales {scales.shape} and biases {biases.shape} must be float, one shape"
         )
-    dim = int(scales.shape[3]) * state.group_size
-    if not found and packed.shape[3] != packed_width(dim, state.bits):
+    stored = codec.stored_dim(q)
+    if not found and packed.shape[3] != packed_width(stored, codec.bits):
         found.append(
             f"{name}[0]: {packed.shape[3]} words per row, but {scales.shape[3]} groups of "
-            f"{state.group_size} at {state.bits} bits pack into {packed_width(dim, state.bits)}"
+            f"{codec.group_size} at {codec.bits} bits pack into {packed_width(stored, codec.bits)}"
         )
+    if not found and codec.pad >= stored:
+        found.append(f"{name}: a pad of {codec.pad} channels leaves no head dim of {stored}")
+    found += [f"{name}: {m}" for m in rotation_problems(codec.rotation, stored)]
     return found
+
+
+# ---------------------------------------------------------------------------- configs
 
 
 @fit_config_of.register
@@ -134,27 +242,82 @@ def _(state: QuantizedKV) -> dict[str, Any]:
 
 @batch_size_of.register
 def _(state: QuantizedKV) -> int:
+    if state.left_padding is not None:
+        return int(state.left_padding.shape[0])
     return int(state.keys[0].shape[0]) if state.keys is not None else 1
 
 
 @config_of.register
 def _(state: QuantizedKV) -> dict[str, Any]:
-    statics = {"bits": state.bits, "group_size": state.group_size}
+    statics = {
+        "key_bits": state.key_bits,
+        "value_bits": state.value_bits,
+        "key_group_size": state.key_group_size,
+        "value_group_size": state.value_group_size,
+        "rotation": state.rotation,
+        "seed": state.seed,
+    }
     k, v = state.keys, state.values
     if k is None or v is None:
         return kv_config("QuantizedKV", **statics)
-    dims = (head_dim(k, state.bits), head_dim(v, state.bits))
+    dims = (key_codec(state).dim(k), value_codec(state).dim(v))
     return kv_config("QuantizedKV", k[1].dtype, int(k[0].shape[1]), *dims, **statics)
+
+
+# ---------------------------------------------------------------------------- commit
 
 
 @commit_rows.register
 def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> QuantizedKV:
-    accepted = uniform_count(state, counts)
-    # Like QuantizedKVCache.trim: the rejected positions stay in the buffer, past `length`.
-    return replace(state, length=state.length - (state.appended - accepted), appended=0)
+    if len(set(counts)) == 1 or state.keys is None:
+        # Like QuantizedKVCache.trim: the rejected positions stay in the buffer, past `length`.
+        return replace(state, length=state.length - (state.appended - counts[0]), appended=0)
+    arrays, left_padding, length = commit_ragged(
+        _arrays(state), state.left_padding, state.length, state.appended, counts
+    )
+    return _with_arrays(state, arrays, left_padding=left_padding, length=length, appended=0)
 
 
-def _no_batch_axis(state: QuantizedKV | Any, what: str) -> StateError:
+def commit_ragged(
+    arrays: list[mx.array],
+    left_padding: mx.array | None,
+    length: int,
+    appended: int,
+    counts: tuple[int, ...],
+) -> tuple[list[mx.array], mx.array, int]:
+    """DenseKV's ragged commit for any (B, H, T, ...) buffers that share rows and positions:
+    each row's oldest `d` tokens move into the `d`-token hole its rejected tokens left, and
+    its left padding grows by `d` (O(max rejected), not O(context); attention does not
+    depend on where a key sits). Returns (buffers, left padding, length)."""
+    batch = len(counts)
+    start = length - appended
+    new_length = start + max(counts)
+    holes = mx.array([max(counts) - c for c in counts], mx.int32)
+    ends = start + mx.array(counts, mx.int32)
+    lp = padding_or_zeros(left_padding, batch)
+    moved = mx.minimum(holes, ends - lp)  # a row may hold fewer tokens than its hole
+    width = max(max(counts) - c for c in counts)
+    j = mx.arange(width, dtype=mx.int32)[None, :]
+    skip = width - moved[:, None]  # positions left of `skip` copy onto themselves
+    dest = new_length - width + j
+    src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
+    index = src[:, None, :, None]
+    moving = [mx.take_along_axis(a, index, axis=2) for a in arrays]
+    mx.eval(moving)  # see DenseKV: a pending gather would make the write copy the buffer
+
+    def fill(a: mx.array, block: mx.array) -> mx.array:
+        out = a[...]  # a fresh object: the assignment must not reach the input state
+        out[..., new_length - width : new_length, :] = block
+        return out
+
+    filled = [fill(a, b) for a, b in zip(arrays, moving, strict=True)]
+    return filled, lp + holes, new_length
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+def _no_batch_axis(state: QuantizedKV, what: str) -> StateError:
     return StateError(
         f"{what}: an empty {type(state).__name__} has no arrays, so no batch axis to gather "
         "rows along; run the first forward (prefill) before tiling or selecting rows "
@@ -164,116 +327,156 @@ def _no_batch_axis(state: QuantizedKV | Any, what: str) -> StateError:
 
 @take_rows.register
 def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
+    index = mx.array(rows, mx.int32)
     if state.keys is None or state.values is None:
+        if state.left_padding is not None:
+            return replace(state, left_padding=state.left_padding[index])
         if rows == (0,):
             return state
-        raise _no_batch_axis(state, "row_select / tile")
-    index = mx.array(rows, mx.int32)
+        return replace(state, left_padding=mx.zeros((len(rows),), mx.int32))
+    left_padding = state.left_padding[index] if state.left_padding is not None else None
     return replace(
         state,
         keys=_map_q(lambda a: a[index], state.keys),
         values=_map_q(lambda a: a[index], state.values),
+        left_padding=left_padding,
+    )
+
+
+@filter_rows.register
+def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
+    kept = take_rows(state, rows)
+    if kept.left_padding is None or kept.keys is None:
+        return kept
+    shared = min(host_ints(kept.left_padding))
+    if shared <= 0:
+        return kept
+    held = kept.length - shared
+    return _with_arrays(
+        kept,
+        [a[..., shared:, :] for a in _arrays(kept)],
+        left_padding=kept.left_padding - shared,
+        length=held,
+        appended=kept.appended if kept.appended <= held else 0,
     )
 
 
 @merge_states.register
 def _(first: QuantizedKV, rest: Sequence[QuantizedKV]) -> QuantizedKV:
     states = [first, *rest]
-    lengths = [s.length for s in states]
-    require(
-        len(set(lengths)) == 1,
-        ConfigMismatchError,
-        f"merge: QuantizedKV states of lengths {lengths} cannot be batched: a QuantizedKV has "
-        "no left padding (mlx-lm's QuantizedKVCache is unpadded), so every row must hold the "
-        "same number of tokens; merge quantized states of equal length, or batch the "
-        "unquantized DenseKV states (kvstate.merge) and keep the batch unquantized",
+    length = max(s.length for s in states)
+    batches = [batch_size_of(s) for s in states]
+    left_padding = mx.concatenate(
+        [
+            padding_or_zeros(s.left_padding, b) + (length - s.length)
+            for s, b in zip(states, batches, strict=True)
+        ]
     )
+    appended = shared_appended(states)
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
-        raise _no_batch_axis(first, "merge")
-    like_k, like_v = filled[0].keys, filled[0].values
-    assert like_k is not None and like_v is not None
-    length = lengths[0]
+        return replace(first, left_padding=left_padding, length=0, appended=appended)
+    like = filled[0]
 
-    def part(s: QuantizedKV, q: Quantized | None, like: Quantized, i: int) -> mx.array:
-        if q is None:  # an empty state at length 0: one row of nothing, shaped like the rest
-            return mx.zeros((1, like[i].shape[1], 0, like[i].shape[3]), like[i].dtype)
-        return used(q[i], length)
+    def aligned(i: int) -> mx.array:
+        # One new buffer per array, each state's used positions right-aligned in its rows.
+        model = _arrays(like)[i]
+        out = mx.zeros((sum(batches), model.shape[1], length, model.shape[3]), model.dtype)
+        row = 0
+        for s, b in zip(states, batches, strict=True):
+            if s.keys is not None:
+                out[row : row + b, :, length - s.length :, :] = used(_arrays(s)[i], s.length)
+            row += b
+        return out
 
-    def stacked(which: str, like: Quantized) -> Quantized:
-        parts = [
-            mx.concatenate([part(s, getattr(s, which), like, i) for s in states]) for i in range(3)
-        ]
-        return (parts[0], parts[1], parts[2])
-
-    return QuantizedKV(
-        stacked("keys", like_k),
-        stacked("values", like_v),
+    return _with_arrays(
+        like,
+        [aligned(i) for i in range(6)],
+        left_padding=left_padding,
         length=length,
-        group_size=first.group_size,
-        bits=first.bits,
-        appended=shared_appended(states),
+        appended=appended,
     )
 
 
 @extract_row.register
 def _(state: QuantizedKV, row: int) -> QuantizedKV:
     if state.keys is None or state.values is None:
-        return QuantizedKV(group_size=state.group_size, bits=state.bits)
-    length = state.length
-
-    def one(a: mx.array) -> mx.array:
-        return mx.contiguous(a[row : row + 1, :, :length])
-
-    return QuantizedKV(
-        _map_q(one, state.keys),
-        _map_q(one, state.values),
-        length=length,
-        group_size=state.group_size,
-        bits=state.bits,
-        appended=state.appended,
+        return replace(state, left_padding=None, length=0, appended=0)
+    start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
+    held = state.length - start
+    return _with_arrays(
+        state,
+        [mx.contiguous(a[row : row + 1, :, start : state.length]) for a in _arrays(state)],
+        left_padding=None,
+        length=held,
+        appended=state.appended if state.appended <= held else 0,
     )
 
 
-def quantize(state: Any, bits: int = 8, group_size: int = 64) -> Any:
-    """An unpadded DenseKV as a QuantizedKV, like mlx-lm's `KVCache.to_quantized`.
+# ---------------------------------------------------------------------------- quantize
 
-    keys (B, H, T, D) become (packed (B, H, length, D*bits//32), scales, biases
-    (B, H, length, D//group_size)); only the `length` used positions are quantized (the
-    capacity past them is not data). `appended` carries over, so a commit still works.
+
+def quantize(
+    state: Any,
+    bits: int = 8,
+    group_size: int = 64,
+    *,
+    key_bits: int | None = None,
+    value_bits: int | None = None,
+    key_group_size: int | None = None,
+    value_group_size: int | None = None,
+    rotation: str = "none",
+    seed: int = 0,
+) -> Any:
+    """A DenseKV as a QuantizedKV, like mlx-lm's `KVCache.to_quantized` when keys and values
+    share `bits` / `group_size` and there is no rotation (then the arrays are identical).
+
+    `key_bits` / `value_bits` / `key_group_size` / `value_group_size` override `bits` /
+    `group_size` for one side. `rotation` ("none", "so4", "hadamard") with `seed` rotates
+    head vectors before quantizing (see `kvstate._rotations`). Head dims that are not a
+    multiple of a side's group size are zero-padded up to one (stored 80 -> 96 at group 32).
+    Only the `length` used positions are quantized; left padding and `appended` carry over.
 
     A ModelState or ListState is mapped over: its DenseKV layers are quantized and every
-    other kind is left as it is, like mlx-lm's `maybe_quantize_kv_cache` (which converts
-    only the caches that have `to_quantized`), except sliding windows, which mlx-lm cannot
-    quantize either and which raise here.
+    other kind is left as it is, like mlx-lm's `maybe_quantize_kv_cache`, except sliding
+    windows, which mlx-lm cannot quantize either and which raise here.
     """
+    spec = {
+        "key_bits": bits if key_bits is None else key_bits,
+        "value_bits": bits if value_bits is None else value_bits,
+        "key_group_size": group_size if key_group_size is None else key_group_size,
+        "value_group_size": group_size if value_group_size is None else value_group_size,
+    }
+    for name, value in spec.items():
+        allowed = BITS if name.endswith("bits") else GROUP_SIZES
+        require(
+            is_int(value) and value in allowed,
+            ConfigMismatchError,
+            f"quantize: {name}={value!r} is not supported; use an int in {list(allowed)}",
+        )
     require(
-        is_int(bits) and bits in BITS,
+        rotation in ROTATIONS and is_int(seed),
         ConfigMismatchError,
-        f"quantize: bits={bits!r} is not supported; use an int in {list(BITS)}",
+        f"quantize: rotation={rotation!r}, seed={seed!r}; use a rotation in {list(ROTATIONS)} "
+        "and an int seed",
     )
-    require(
-        is_int(group_size) and group_size in GROUP_SIZES,
-        ConfigMismatchError,
-        f"quantize: group_size={group_size!r} is not supported; use an int in {list(GROUP_SIZES)}",
-    )
-    bits, group_size = int(bits), int(group_size)
+    empty = QuantizedKV(rotation=rotation, seed=int(seed), **{k: int(v) for k, v in spec.items()})
     if isinstance(state, DenseKV):
-        return _quantize_dense(state, bits, group_size)
+        return _quantize_dense(state, empty)
     require(
         isinstance(state, Composite),
         StateError,
         f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
         f"{type(state).__name__}",
     )
-    return _quantize_layers(state, bits, group_size)
+    return _quantize_layers(state, empty)
 
 
-def _quantize_layers(state: Any, bits: int, group_size: int) -> Any:
+def _quantize_layers(state: Any, empty: QuantizedKV) -> Any:
     if isinstance(state, Composite):
-        return with_parts(state, tuple(_quantize_layers(s, bits, group_size) for s in state.parts))
+        return with_parts(state, tuple(_quantize_layers(s, empty) for s in state.parts))
     if isinstance(state, DenseKV):
-        return _quantize_dense(state, bits, group_size)
+        return _quantize_dense(state, empty)
     require(
         not isinstance(state, RotatingKV),
         ConfigMismatchError,
@@ -283,38 +486,30 @@ def _quantize_layers(state: Any, bits: int, group_size: int) -> Any:
     return state
 
 
-def _quantize_dense(state: DenseKV, bits: int, group_size: int) -> QuantizedKV:
-    require(
-        state.left_padding is None,
-        ConfigMismatchError,
-        "quantize: this DenseKV is a left-padded batch, but a QuantizedKV has no left padding "
-        "(like mlx-lm's QuantizedKVCache); extract each row (kvstate.extract) and quantize "
-        "rows separately, or quantize single-sequence states before batching equal lengths",
-    )
+def _quantize_dense(state: DenseKV, empty: QuantizedKV) -> QuantizedKV:
     if state.keys is None or state.values is None:
-        return QuantizedKV(
-            length=state.length, group_size=group_size, bits=bits, appended=state.appended
+        return replace(
+            empty, left_padding=state.left_padding, length=state.length, appended=state.appended
         )
-    dims = {"keys": int(state.keys.shape[-1]), "values": int(state.values.shape[-1])}
-    bad = {name: d for name, d in dims.items() if d % group_size}
-    require(
-        not bad,
-        ShapeError,
-        f"quantize: head dims {bad} are not multiples of group_size={group_size}; "
-        f"pick a group size in {list(GROUP_SIZES)} that divides every head dim",
-    )
-
-    def q(a: mx.array) -> Quantized:
-        packed, scales, biases = mx.quantize(
-            used(a, state.length), group_size=group_size, bits=bits
-        )
-        return (packed, scales, biases)
-
-    return QuantizedKV(
-        q(state.keys),
-        q(state.values),
+    # Stored widths are whole groups (multiples of 32), so every rotation applies.
+    spec = with_pads(empty, int(state.keys.shape[-1]), int(state.values.shape[-1]))
+    return replace(
+        spec,
+        keys=key_codec(spec).encode(used(state.keys, state.length)),
+        values=value_codec(spec).encode(used(state.values, state.length)),
+        left_padding=state.left_padding,
         length=state.length,
-        group_size=group_size,
-        bits=bits,
         appended=state.appended,
     )
+
+
+def with_pads(state: QuantizedKV, key_dim: int, value_dim: int) -> QuantizedKV:
+    """`state` with the zero-channel pads that head dims `key_dim` / `value_dim` need."""
+    return replace(
+        state,
+        key_pad=channel_pad(key_dim, state.key_group_size),
+        value_pad=channel_pad(value_dim, state.value_group_size),
+    )
+
+
+__all__ = ["BITS", "GROUP_SIZES", "QuantizedKV", "packed_width", "quantize"]

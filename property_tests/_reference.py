@@ -166,10 +166,10 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         ]
     if isinstance(state, ks.QuantizedKV):
         if state.keys is None or state.values is None or state.length == 0:
-            return [("quantized", 0)] * batch
-        zeros = [0] * batch
-        parts = [_row_slices(a, batch, zeros, state.length) for a in (*state.keys, *state.values)]
-        return [("quantized", state.length, *(p[r] for p in parts)) for r in range(batch)]
+            return [("quantized", 0)] * batch  # (an empty state's padding has no tokens)
+        pads = _pads(state.left_padding, batch)
+        parts = [_row_slices(a, batch, pads, state.length) for a in (*state.keys, *state.values)]
+        return [("quantized", state.length - pads[r], *(p[r] for p in parts)) for r in range(batch)]
     if isinstance(state, ks.ChunkedKV):
         # What the next forward sees: it first drops the front past chunk_size
         # (maybe_trim_front), so entries there are never read again.

@@ -24,6 +24,7 @@ from kvstate.kinds import appended_of
 from kvstate.testing import (
     DTYPES,
     QUANT_BITS,
+    ROTATION_KINDS,
     accepted_counts,
     assert_states_equal,
     chunked_kv_states,
@@ -69,11 +70,11 @@ def parts(state: Any) -> list[Any]:
 
 
 def takes_rows(state: Any) -> bool:
-    """Unpadded kinds (quantized, chunked) have no batch axis while empty; an empty window
+    """Unpadded kinds (chunked) have no batch axis while empty; an empty window
     with `keep` has no batched form to take several rows into."""
 
     def one(p: Any) -> bool:
-        if isinstance(p, (ks.QuantizedKV, ks.ChunkedKV)):
+        if isinstance(p, ks.ChunkedKV):
             return p.keys is not None
         if isinstance(p, ks.RotatingKV):
             return not (p.keep and p.keys is None)
@@ -105,6 +106,7 @@ def same_config_rows(draw: Any) -> list[Any]:
         length = draw(st.integers(1, 6))
         config = {"bits": draw(st.sampled_from(QUANT_BITS)), "group_size": 32, "dtype": dtype}
         config |= {"heads": 1, "k_groups": 1, "v_groups": 1, "length": length}
+        config |= {"rotation": draw(st.sampled_from(ROTATION_KINDS)), "seed": 1, "pads": (0, 8)}
         return [draw(quantized_kv_states(batch=1, **config)) for _ in range(n)]
     if kind == "chunked":
         config = {"chunk_size": 4, "heads": 1, "k_dim": 2, "v_dim": 2, "dtype": dtype}
@@ -199,9 +201,11 @@ def head_dims(state: Any) -> tuple[int, int, int, mx.Dtype]:
     """(heads, Dk, Dv, dtype) a forward into `state` must have."""
     if isinstance(state, ks.QuantizedKV):
         if state.keys is None or state.values is None:
-            return 1, state.group_size, state.group_size, mx.float32
-        k, v, b = state.keys, state.values, state.bits
-        return k[0].shape[1], k[0].shape[3] * 32 // b, v[0].shape[3] * 32 // b, k[1].dtype
+            return 1, state.key_group_size, state.value_group_size, mx.float32
+        k, v = state.keys, state.values
+        dk = k[1].shape[3] * state.key_group_size - state.key_pad
+        dv = v[1].shape[3] * state.value_group_size - state.value_pad
+        return k[0].shape[1], dk, dv, k[1].dtype
     if state.keys is None:
         return 2, 4, 4, mx.float16
     return state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype

@@ -65,12 +65,12 @@ def test_keys_values_and_padding_of_different_batches_are_all_reported():
                 tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), bits=4)),  # type: ignore[arg-type]
                 tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), bits=4)),  # type: ignore[arg-type]
                 length=4,
-                bits=8,
+                key_bits=8,
             ),
             "8 words per row, but 1 groups of 64 at 8 bits pack into 16",
         ),
         (ks.QuantizedKV(length=3), "length: 3 is out of range"),
-        (ks.QuantizedKV(bits=7), "bits: 7 is not one of"),
+        (ks.QuantizedKV(value_bits=7), "value_bits: 7 is not one of"),
         (
             ks.RecurrentState((mx.zeros((2, 3)), mx.zeros((3, 3)))),
             r"arrays: batch sizes \[2, 3\] differ",

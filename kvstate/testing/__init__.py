@@ -37,6 +37,7 @@ from ._assertions import assert_states_allclose, assert_states_equal, frozen_cop
 from ._strategies import (
     DTYPES,
     QUANT_BITS,
+    ROTATION_KINDS,
     STRATEGIES,
     LayerStrategy,
     accepted_counts,
@@ -55,6 +56,7 @@ from ._strategies import (
 __all__ = [
     "DTYPES",
     "QUANT_BITS",
+    "ROTATION_KINDS",
     "STRATEGIES",
     "LayerStrategy",
     "accepted_counts",

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from .._chunked import ChunkedKV
 from .._composite import ListState, ModelState
 from .._dense import DenseKV
-from .._quantized import BITS, QuantizedKV
+from .._quantized import BITS, QuantizedKV, key_codec, value_codec
 from .._recurrent import RecurrentState
 from .._rotating import RotatingKV
+from .._rotations import ROTATIONS
+from .._tree import replace
 from ..kinds import appended_of, batch_size_of, capabilities_of, layer_kinds
 from ._window import window_update
 
@@ -134,7 +136,7 @@ def accepted_counts(draw: Any, state: Any, *, ragged: Knob = None) -> int | list
     (when `ragged`, drawn if None) a list with one count in 0..appended per row.
 
     Respects what each kind can honour: ragged lists only where every part takes them
-    (not QuantizedKV, ChunkedKV, or a window with `keep`), and after a one-token forward
+    (not ChunkedKV, or a window with `keep`), and after a one-token forward
     that overwrote a window slot, only `appended` (the overwritten entry is gone: the
     state before that forward is the rollback). Recurrent parts need checkpoints for
     anything below `appended` (see `recurrent_checkpoints`)."""
@@ -157,6 +159,9 @@ def accepted_counts(draw: Any, state: Any, *, ragged: Knob = None) -> int | list
 QUANT_BITS = BITS
 """The bit widths kvstate supports (`kvstate.quantize`)."""
 
+ROTATION_KINDS = ROTATIONS
+"""The rotations a QuantizedKV can apply before quantizing ("none", "so4", "hadamard")."""
+
 
 @strategy_for(QuantizedKV)
 @st.composite
@@ -167,55 +172,95 @@ def quantized_kv_states(
     heads: Knob = None,
     bits: Knob = None,
     group_size: Knob = None,
+    key_bits: Knob = None,
+    value_bits: Knob = None,
+    key_group_size: Knob = None,
+    value_group_size: Knob = None,
     k_groups: Knob = None,
     v_groups: Knob = None,
+    pads: Knob = None,
+    rotation: Knob = None,
+    seed: Knob = None,
+    padded: Knob = None,
     dtype: Knob = None,
     max_length: int = 10,
     length: Knob = None,
     empty: Knob = None,
     appended: Knob = None,
 ) -> QuantizedKV:
-    """A `QuantizedKV` (unpadded, like mlx-lm's QuantizedKVCache: one length for all rows).
+    """A `QuantizedKV`.
 
-    Draws: batch in 1..3; heads in 1..2; bits in `QUANT_BITS`; group size in {32, 64};
-    key / value head dims of 1..2 groups each; the scales' dtype in `DTYPES`; length in
-    1..max_length (or `keys is None`, length 0, with `empty=True`: batch 1 only, an empty
-    unpadded state has no batch axis); spare capacity past the
-    length (garbage); `appended` in 0..length. Keys and values are `mx.quantize` triples of
-    random normal data: packed uint32 (B, H, capacity, D*bits//32), scales and biases
-    (B, H, capacity, D//group_size).
+    Draws: batch in 1..3; heads in 1..2; key and value bits in `QUANT_BITS` (`bits` fixes
+    both, `key_bits` / `value_bits` one side; drawn equal half of the time); group sizes in
+    {32, 64} likewise (`group_size`, `key_group_size`, `value_group_size`); stored key / value
+    rows of 1..2 groups; `pads`: zero channels on each side (head dims that are not whole
+    groups), as (key_pad, value_pad), drawn as 0 or 8; rotation in `ROTATION_KINDS` with a
+    seed; `padded`: per-row left padding (like a merged batch; drawn when not fixed);
+    the scales' dtype in `DTYPES`; length in 1..max_length (or `keys is None`, length 0,
+    with `empty=True`); spare capacity past the length (garbage); `appended` in
+    0..min(row lengths). Keys and values are triples of random normal head vectors encoded
+    by the state's own codec (padded, rotated, `mx.quantize`d).
     """
     batch = _knob(draw, batch, st.integers(1, 3))
     heads = _knob(draw, heads, st.integers(1, 2))
-    bits = _knob(draw, bits, st.sampled_from(QUANT_BITS))
-    group_size = _knob(draw, group_size, st.sampled_from([32, 64]))
+    both_bits = _knob(draw, bits, st.sampled_from(QUANT_BITS))
+    asymmetric = bits is None and draw(st.booleans())
+    key_bits = _knob(
+        draw, key_bits, st.sampled_from(QUANT_BITS) if asymmetric else st.just(both_bits)
+    )
+    value_bits = _knob(
+        draw, value_bits, st.sampled_from(QUANT_BITS) if asymmetric else st.just(both_bits)
+    )
+    both_group = _knob(draw, group_size, st.sampled_from([32, 64]))
+    key_group_size = _knob(draw, key_group_size, st.just(both_group))
+    value_group_size = _knob(draw, value_group_size, st.just(both_group))
     k_groups = _knob(draw, k_groups, st.integers(1, 2))
     v_groups = _knob(draw, v_groups, st.integers(1, 2))
+    key_pad, value_pad = _knob(
+        draw, pads, st.tuples(st.sampled_from([0, 8]), st.sampled_from([0, 8]))
+    )
+    rotation = _knob(draw, rotation, st.sampled_from(ROTATION_KINDS))
+    seed = _knob(draw, seed, st.integers(0, 3))
+    padded = _knob(draw, padded, st.booleans())
     dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
     appended = _knob(draw, appended, st.none())
+    spec = QuantizedKV(
+        key_bits=key_bits,
+        value_bits=value_bits,
+        key_group_size=key_group_size,
+        value_group_size=value_group_size,
+        rotation=rotation,
+        seed=seed,
+    )
     if length is None:
-        empty = False if appended or batch != 1 else _knob(draw, empty, _MAYBE_EMPTY)
+        empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
     else:
         empty = length == 0
     if empty:
-        return QuantizedKV(group_size=group_size, bits=bits)
+        if padded or batch != 1:  # an empty state's batch lives in its left padding
+            return replace(spec, left_padding=mx.zeros((batch,), mx.int32))
+        return spec
     length = _knob(draw, length, st.integers(max(1, appended or 0), max(max_length, appended or 0)))
+    top = length - (appended or 1)  # every row holds its appended tokens (and >= 1 token)
+    paddings = (
+        draw(st.lists(st.integers(0, top), min_size=batch, max_size=batch))
+        if padded
+        else [0] * batch
+    )
     if appended is None:
-        appended = draw(st.integers(0, length))
+        appended = draw(st.integers(0, length - max(paddings)))
     capacity = length + draw(st.integers(0, 3))
-    seed = draw(_SEEDS)
-
-    def triple(dim: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
-        data = _noise(seed + offset, (batch, heads, capacity, dim), dtype)
-        packed, scales, biases = mx.quantize(data, group_size=group_size, bits=bits)
-        return (packed, scales, biases)
-
-    return QuantizedKV(
-        triple(k_groups * group_size, 0),
-        triple(v_groups * group_size, 1),
+    noise_seed = draw(_SEEDS)
+    spec = replace(spec, key_pad=key_pad, value_pad=value_pad)
+    shape = (batch, heads, capacity)
+    keys = _noise(noise_seed, (*shape, k_groups * key_group_size - key_pad), dtype)
+    values = _noise(noise_seed + 1, (*shape, v_groups * value_group_size - value_pad), dtype)
+    return replace(
+        spec,
+        keys=key_codec(spec).encode(keys),
+        values=value_codec(spec).encode(values),
+        left_padding=mx.array(paddings, mx.int32) if padded else None,
         length=length,
-        group_size=group_size,
-        bits=bits,
         appended=appended,
     )
 

@@ -1,0 +1,96 @@
+"""Routing a model's attention to kvstate's quantized attention, without changing mlx-lm.
+
+mlx-lm's attention modules call the module-level `scaled_dot_product_attention(queries,
+keys, values, cache=..., scale=..., mask=...)` of `mlx_lm.models.base`, which sends a cache
+with `bits` to its own quantized attention (one bits for keys and values, no rotation).
+`route_attention(model)` gives each attention module instance of `model` a subclass whose
+methods are copies of mlx-lm's own, reading under that name a function that sends a
+`QuantizedStateCache` to `cache.attend` (kvstate's `quantized_attention`) and every other
+cache to mlx-lm's function, unchanged. mlx-lm's classes and modules are left untouched, and
+other instances of the same classes are not affected.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import CacheList
+
+from ._capture import _reading
+from ._quantized import QuantizedStateCache
+
+NAME = "scaled_dot_product_attention"
+
+_ROUTED = "_kvstate_attention_routed"  # set on a routed model (an nn.Module is unhashable)
+_CLASSES: dict[type, type] = {}
+
+
+def _routing(original: Callable[..., Any]) -> Callable[..., Any]:
+    def scaled_dot_product_attention(
+        queries: Any, keys: Any, values: Any, *args: Any, **kw: Any
+    ) -> Any:
+        cache = args[0] if args else kw.get("cache")
+        if not isinstance(cache, QuantizedStateCache):
+            return original(queries, keys, values, *args, **kw)
+        names = ("scale", "mask", "sinks")
+        given = dict(zip(names, args[1:], strict=False)) | {k: kw[k] for k in names if k in kw}
+        if given.get("sinks") is not None:
+            raise ValueError("kvstate's quantized attention does not support attention sinks")
+        return cache.attend(queries, given["scale"], given.get("mask"))
+
+    return scaled_dot_product_attention
+
+
+def _routed_class(cls: type) -> type | None:
+    """A subclass of `cls` whose methods calling `NAME` read the routing function (None when
+    no method of `cls` calls it)."""
+    if cls not in _CLASSES:
+        body: dict[str, Any] = {}
+        for klass in cls.__mro__:
+            if klass is nn.Module:
+                break
+            for name, fn in vars(klass).items():
+                calls = isinstance(fn, types.FunctionType) and NAME in fn.__code__.co_names
+                if calls and name not in body and NAME in fn.__globals__:
+                    body[name] = _reading(fn, NAME, _routing(fn.__globals__[NAME]))
+        routed = None
+        if body:
+            body["__module__"] = cls.__module__
+            body["__qualname__"] = cls.__qualname__
+            body["_kvstate_routed"] = True
+            routed = type(cls.__name__, (cls,), body)
+        _CLASSES[cls] = routed  # type: ignore[assignment]
+    return _CLASSES[cls]
+
+
+def route_attention(model: nn.Module) -> nn.Module:
+    """Route every attention module of `model` that calls mlx-lm's
+    `scaled_dot_product_attention` to kvstate's quantized attention for QuantizedKV states
+    that mlx-lm's QuantizedKVCache cannot hold (other caches: mlx-lm's function, as before).
+    Idempotent; `wrap(model)` does it when such a state first runs. Returns `model`."""
+    if getattr(model, _ROUTED, False):
+        return model
+    for module in model.modules():
+        if getattr(type(module), "_kvstate_routed", False):
+            continue
+        routed = _routed_class(type(module))
+        if routed is not None:
+            module.__class__ = routed
+    object.__setattr__(model, _ROUTED, True)
+    return model
+
+
+def needs_routing(model: nn.Module, caches: list[Any]) -> bool:
+    """Whether `caches` hold a QuantizedStateCache and `model` is not routed yet."""
+    return not getattr(model, _ROUTED, False) and any(_quantized_state_caches(caches))
+
+
+def _quantized_state_caches(caches: list[Any]) -> Any:
+    for c in caches:
+        if isinstance(c, CacheList):
+            yield from _quantized_state_caches(list(c.caches))
+        elif isinstance(c, QuantizedStateCache):
+            yield c

@@ -1,0 +1,95 @@
+"""Attention over a QuantizedKV without dequantizing it: `quantized_attention`.
+
+Scores come from `mx.quantized_matmul` at the key bits, the output from another at the
+value bits (mlx-lm's `quantized_scaled_dot_product_attention` does the same with one bits
+for both). Queries are zero-padded and rotated like the stored keys, so the scores are those
+of the unrotated vectors; the output is rotated back with the value rotation and its pad
+channels dropped. Rows' left padding is masked here, whatever mask the caller passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ._errors import ShapeError, StateError, require
+from ._quantized import QuantizedKV, key_codec, used_q, value_codec
+
+
+def quantized_attention(
+    queries: mx.array, state: QuantizedKV, *, scale: float, mask: Any = None
+) -> mx.array:
+    """softmax(scale * q k^T + mask) v over the state's positions [0, length).
+
+    queries (B, n_heads, L, key_dim), n_heads a multiple of the state's kv heads (GQA);
+    mask: None, "causal" (query i sees keys up to length - L + i), a bool array (True:
+    attend) or an additive float array, broadcastable to (B, n_heads, L, length).
+    Returns (B, n_heads, L, value_dim) in the queries' dtype.
+    """
+    require(
+        state.keys is not None and state.values is not None,
+        StateError,
+        "quantized_attention: the state is empty; run a forward (update the cache) first",
+    )
+    assert state.keys is not None and state.values is not None
+    kc, vc = key_codec(state), value_codec(state)
+    keys, values = used_q(state.keys, state.length), used_q(state.values, state.length)
+    B, n_heads, L, dim = queries.shape
+    kv_heads = int(keys[0].shape[1])
+    require(
+        dim == kc.dim(keys) and n_heads % kv_heads == 0,
+        ShapeError,
+        f"quantized_attention: queries {tuple(queries.shape)} do not fit keys of "
+        f"{kv_heads} heads x {kc.dim(keys)} dims (heads must be a multiple, dims equal)",
+    )
+    repeats = n_heads // kv_heads
+    q = kc.rotate(queries) * scale
+    if repeats > 1:
+        q = q.reshape(B, kv_heads, repeats, L, q.shape[-1])
+        keys = (keys[0][:, :, None], keys[1][:, :, None], keys[2][:, :, None])
+        values = (values[0][:, :, None], values[1][:, :, None], values[2][:, :, None])
+    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
+    masks = [_heads_form(m, kv_heads, repeats) for m in _masks(mask, state, L)]
+    for m in masks:
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + m
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(
+        weights, *values, transpose=False, group_size=vc.group_size, bits=vc.bits
+    )
+    if repeats > 1:
+        out = out.reshape(B, n_heads, L, out.shape[-1])
+    return vc.unrotate(out)
+
+
+def _masks(mask: Any, state: QuantizedKV, L: int) -> list[mx.array]:
+    """The caller's mask as an array, and the left padding's (each broadcastable to
+    (B, n_heads, L, length))."""
+    length = state.length
+    found = []
+    if isinstance(mask, str):
+        require(
+            mask == "causal",
+            StateError,
+            f"quantized_attention: mask {mask!r}; use 'causal', None or an array",
+        )
+        q_pos = mx.arange(length - L, length)[:, None]
+        found.append(q_pos >= mx.arange(length)[None])
+    elif mask is not None:
+        found.append(mask)
+    if state.left_padding is not None:
+        lp = state.left_padding[:, None, None, None]
+        found.append(mx.arange(length)[None, None, None] >= lp)
+    return found
+
+
+def _heads_form(mask: mx.array, kv_heads: int, repeats: int) -> mx.array:
+    """A (.., n_heads or 1, L, S) mask in the (.., kv_heads, repeats, L, S) form of GQA."""
+    if repeats == 1 or mask.ndim < 4:
+        return mask
+    if mask.shape[1] == 1:
+        return mx.expand_dims(mask, 2)
+    return mask.reshape(mask.shape[0], kv_heads, repeats, *mask.shape[2:])

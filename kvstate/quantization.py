@@ -1,0 +1,23 @@
+"""The pieces of a QuantizedKV, for code that writes into one or reads it (adapters,
+benchmarks, your own attention): each side's `Codec` (pad, rotate, quantize and back), the
+rotations, and which states mlx-lm's QuantizedKVCache can hold as they are."""
+
+from ._quant_codec import Codec, Quantized, channel_pad, packed_width
+from ._quantized import BITS, GROUP_SIZES, is_mlx_lm_form, key_codec, value_codec, with_pads
+from ._rotations import ROTATIONS, rotation_matrix, rotation_numpy
+
+__all__ = [
+    "BITS",
+    "GROUP_SIZES",
+    "ROTATIONS",
+    "Codec",
+    "Quantized",
+    "channel_pad",
+    "is_mlx_lm_form",
+    "key_codec",
+    "packed_width",
+    "rotation_matrix",
+    "rotation_numpy",
+    "value_codec",
+    "with_pads",
+]
