@@ -76,10 +76,9 @@ class _BucketedKV(KVCache):
         self._kvstate_bucket.width = _width(end)
         return _padded(create_causal_mask(N, self.offset, window_size=window_size), _width(end))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        exact = KVCache.update_and_fetch(self, keys, values)
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:  # what update_and_fetch returns
         width = self._kvstate_bucket.width
-        return exact if width is None else _fetch(self, width)
+        return KVCache.keys_and_values(self) if width is None else _fetch(self, width)
 
 
 class _BucketedBatchKV(BatchKVCache):
@@ -91,10 +90,9 @@ class _BucketedBatchKV(BatchKVCache):
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
         return _padded(mask, _width(end))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        exact = BatchKVCache.update_and_fetch(self, keys, values)
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
         width = self._kvstate_bucket.width
-        return exact if width is None else _fetch(self, width)
+        return BatchKVCache.keys_and_values(self) if width is None else _fetch(self, width)
 
 
 _BUCKETED = {KVCache: _BucketedKV, BatchKVCache: _BucketedBatchKV}
