@@ -15,6 +15,7 @@ What differs from an mlx-lm model, and where mlx-vlm's `generate_step` is the re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MethodType
 from typing import Any, cast
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ from mlx_vlm.models.cache import make_prompt_cache
 from kvstate import ModelState, ShapeError, StateError
 from kvstate.kinds import as_int
 
-from ._capture import known_mixers
+from ._capture import arrays_caches, known_mixers
 from ._convert import from_cache, from_mlx_lm
 from ._forward import run
 from ._vlm_caches import to_vlm_cache
@@ -154,7 +155,7 @@ class VLMWrappedModel(WrappedModel):
             lengths=lengths,
             capture=capture,
             mixers=self._mixers,
-            convert=to_vlm_cache,
+            convert=to_vlm_cache if lengths is None else padded_prompt_cache,
         )
         logits, new = _poisoned(out.logits, bad), self._ours(out.state)
         return (logits, new, out.checkpoints) if capture else (logits, new)
@@ -185,6 +186,30 @@ class VLMWrappedModel(WrappedModel):
             k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None
         }
         return {**model_inputs, **extra, "inputs_embeds": features.inputs_embeds}
+
+
+def padded_prompt_cache(layer: Any) -> Any:
+    """`to_vlm_cache` for a right-padded prompt forward (`lengths=`): mlx-vlm's ArraysCache
+    masks by its left padding alone whenever it has one (a merged empty cache has zeros),
+    so the pad tokens after a short row would reach its recurrent state; its caches get
+    mlx-lm's mask instead, left padding and lengths both, for this one forward."""
+    cache = to_vlm_cache(layer)
+    for recurrent in arrays_caches(cache):
+        recurrent.make_mask = MethodType(_padded_mask, recurrent)
+    return cache
+
+
+def _padded_mask(self: Any, N: int) -> mx.array | None:
+    """mlx-lm's ArraysCache.make_mask: positions after the left padding and before the
+    row's length."""
+    pos = mx.arange(N)
+    mask = None
+    if self.left_padding is not None:
+        mask = pos >= self.left_padding[:, None]
+    if self.lengths is not None:
+        inside = pos < self.lengths[:, None]
+        mask = inside if mask is None else mask & inside
+    return mask
 
 
 def _vocab_size(model: nn.Module, language_model: nn.Module, logits_width: int) -> int:

@@ -145,6 +145,32 @@ def test_init_state_is_what_the_language_models_own_factory_builds(language_mode
     np.testing.assert_allclose(np.array(logits[1]), np.array(single[0]), **TOL)
 
 
+def test_right_padded_prompt_batch_equals_mlx_vlm_per_row(language_model):
+    """`lengths=`: a right-padded batch of prompts, then two decode steps; each row's logits
+    equal mlx-vlm's language model on its own caches for that row alone. (mlx-vlm's
+    ArraysCache masks by left padding alone; the wrapper gives it mlx-lm's mask for the
+    padded forward, or the pad tokens would reach the recurrent state.)"""
+    m = wrap(language_model)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[4:9]]
+    width = max(len(p) for p in prompts)
+    padded = mx.array([p + [0] * (width - len(p)) for p in prompts])
+    logits, state = m(padded, m.init_state(3), lengths=[len(p) for p in prompts])
+    steps = [logits[:, -1]]
+    follow = mx.array([[1], [2], [3]])
+    for _ in range(2):
+        out, state = m(follow, state)
+        steps.append(out[:, -1])
+    for row, prompt in enumerate(prompts):
+        ref = vlm_logits(language_model, [prompt, [row + 1], [row + 1]])
+        np.testing.assert_allclose(
+            np.array(logits[row, len(prompt) - 1]), np.array(ref[0][0, -1]), **TOL
+        )
+        for step in (1, 2):
+            np.testing.assert_allclose(
+                np.array(steps[step][row]), np.array(ref[step][0, -1]), **TOL
+            )
+
+
 def test_known_mlx_vlm_mixers_verify_in_one_pass(language_model, monkeypatch):
     """qwen3_next's gated delta net and lfm2's short convolution are recorded, not replayed,
     and their checkpoints equal the token-by-token replay's."""
