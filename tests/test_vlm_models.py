@@ -171,6 +171,23 @@ def test_right_padded_prompt_batch_equals_mlx_vlm_per_row(language_model):
             )
 
 
+def test_ragged_commit_on_a_merged_batch_equals_mlx_vlm_per_row(language_model):
+    """Rows prefilled alone, merged, verified with capture and committed to different
+    lengths, then one step: each row equals mlx-vlm on its own caches for that row alone."""
+    m = wrap(language_model)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[4:9]]
+    state = ks.merge([m(mx.array([p]), m.init_state())[1] for p in prompts])
+    drafts = [[20, 21, 22, 23], [30, 31, 32, 33], [40, 41, 42, 43]]
+    _, after, checkpoints = m(mx.array(drafts), state, capture=True)
+    accepted = [4, 0, 2]
+    state = ks.commit_prefix(after, accepted, checkpoints)
+    logits, _ = m(mx.array([[1], [2], [3]]), state)
+    for row, prompt in enumerate(prompts):
+        chunks = [prompt, drafts[row][: accepted[row]], [row + 1]]
+        ref = vlm_logits(language_model, [c for c in chunks if c])
+        np.testing.assert_allclose(np.array(logits[row, -1]), np.array(ref[-1][0, -1]), **TOL)
+
+
 def test_known_mlx_vlm_mixers_verify_in_one_pass(language_model, monkeypatch):
     """qwen3_next's gated delta net and lfm2's short convolution are recorded, not replayed,
     and their checkpoints equal the token-by-token replay's."""
