@@ -303,3 +303,29 @@ def test_outputs_that_carry_state_outside_the_cache_are_refused():
         logits_of(carried)
     with pytest.raises(ks.StateError, match=r"without \.logits"):
         logits_of(object())
+
+
+def test_readme_mlx_vlm_example_decodes_like_mlx_vlm_generate(llava, monkeypatch):
+    """The README's mlx-vlm block, run with `mlx_vlm.load` giving the tiny llava."""
+    import re
+    from pathlib import Path
+
+    import mlx_vlm
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## mlx-vlm models", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "the README lost its mlx-vlm code block"
+    monkeypatch.setattr(mlx_vlm, "load", lambda path: (llava, None))
+    image = random_image()
+    namespace = {
+        "MODEL": "tiny",
+        "input_ids": mx.array([IMAGE_PROMPT]),
+        "pixel_values": image,
+        "mask": None,
+    }
+    exec(compile(match.group(1), "README.md", "exec"), namespace)
+    tokens = [int(t.item()) for t in namespace["tokens"]]
+    assert tokens == vlm_generate(llava, IMAGE_PROMPT, len(tokens), pixel_values=image)[0]
+    caches = namespace["caches"]
+    assert [type(c).__module__ for c in caches] == ["mlx_vlm.models.cache"] * len(caches)
