@@ -1,179 +1,153 @@
-"""QuantizedKV (mlx-lm's QuantizedKVCache) as a state machine against a NumPy reference.
+"""QuantizedKV as a state machine against a NumPy reference, over every option: key and value
+bits and group sizes of their own, zero-channel pads, rotations, left padding.
 
-A reference row is the row's valid (packed, scales, biases) for keys and values, in order.
-A forward runs mlx-lm's quantizing `update_and_fetch` on the converted cache; the reference
-appends `mx.quantize` of the same raw keys and values (quantization is per token, so a chunk
-quantizes the same alone). Like mlx-lm's class the kind is unpadded: one length for all
-rows, uniform commits only, merges of equal lengths only (each refusal is checked too).
+A reference row is the row's valid tokens, each token its key triple (packed words, scales,
+biases) and value triple laid side by side as int64 (bit-exact). A forward runs the adapter's
+`update_and_fetch` on the converted cache (mlx-lm's QuantizedKVCache for the mlx-lm form,
+else kvstate's QuantizedStateCache); the reference appends the state's codec applied to the
+same raw keys and values (quantization is per token, so a chunk encodes the same alone; the
+codec itself is checked against NumPy in tests/test_quantized_grid.py). Rows of different
+lengths batch with left padding, commits may be ragged (a ragged commit may reorder a row's
+tokens: rows are then compared as multisets, as for DenseKV).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import mlx.core as mx
 import numpy as np
-import pytest
+from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 import kvstate as ks
-from kvstate.testing import DTYPES, QUANT_BITS, quantized_kv_states
+from kvstate.quantization import Codec
+from kvstate.testing import DTYPES, QUANT_BITS, ROTATION_KINDS, accepted_counts, quantized_kv_states
 
 from ._machine import RowMachine
-from ._reference import bits, cache_forward, noise
-
-Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+from ._reference import Row, assert_rows_equal, bits, cache_forward, noise
 
 
-@attrs.frozen
-class QRow:
-    keys: Triple | None  # each (H, T, ...)
-    values: Triple | None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else int(self.keys[0].shape[1])
+def _tokens(q: tuple[mx.array, ...], b: int, lo: int, hi: int) -> np.ndarray:
+    """Row b's positions lo..hi of a triple as (H, T, words + 2 * groups) int64."""
+    return np.concatenate([bits(a[b, :, lo:hi]).astype(np.int64) for a in q], axis=-1)
 
 
-def _row_of(q: tuple[mx.array, ...], b: int, length: int) -> Triple:
-    a, s, z = (bits(x[b, :, :length]) for x in q)
-    return (a, s, z)
-
-
-def quantized_rows(state: ks.QuantizedKV) -> list[QRow]:
+def quantized_rows(state: ks.QuantizedKV) -> list[Row]:
+    batch = ks.batch_size(state)
     if state.keys is None or state.values is None:
         assert state.length == 0
-        return [QRow(None, None)]
+        return [Row(np.zeros((1, 0, 0)), np.zeros((1, 0, 0))) for _ in range(batch)]
     for q in (state.keys, state.values):
         assert all(x.shape[2] >= state.length for x in q), "buffer shorter than the length"
+    pads = [0] * batch if state.left_padding is None else np.array(state.left_padding).tolist()
     return [
-        QRow(_row_of(state.keys, b, state.length), _row_of(state.values, b, state.length))
-        for b in range(ks.batch_size(state))
+        Row(
+            _tokens(state.keys, b, pads[b], state.length),
+            _tokens(state.values, b, pads[b], state.length),
+        )
+        for b in range(batch)
     ]
-
-
-def _cat(a: Triple | None, b: Triple) -> Triple:
-    if a is None:
-        return b
-    x, y, z = (np.concatenate([u, v], axis=1) for u, v in zip(a, b, strict=True))
-    return (x, y, z)
 
 
 class QuantizedMachine(RowMachine):
     @initialize(
         data=st.data(),
         heads=st.integers(1, 2),
-        bits_=st.sampled_from(QUANT_BITS),
+        key_bits=st.sampled_from(QUANT_BITS),
+        value_bits=st.sampled_from(QUANT_BITS),
         group_size=st.sampled_from([32, 64]),
+        rotation=st.sampled_from(ROTATION_KINDS),
+        pads=st.tuples(st.sampled_from([0, 8]), st.sampled_from([0, 8])),
         dtype=st.sampled_from(DTYPES),
+        padded=st.booleans(),
     )
-    def start(self, data: Any, heads: int, bits_: int, group_size: int, dtype: mx.Dtype) -> None:
+    def start(
+        self,
+        data: Any,
+        heads: int,
+        key_bits: int,
+        value_bits: int,
+        group_size: int,
+        rotation: str,
+        pads: tuple[int, int],
+        dtype: mx.Dtype,
+        padded: bool,
+    ) -> None:
         self.config = {
             "heads": heads,
-            "bits": bits_,
+            "key_bits": key_bits,
+            "value_bits": value_bits,
             "group_size": group_size,
+            "rotation": rotation,
+            "seed": 2,
+            "pads": pads,
             "dtype": dtype,
             "k_groups": 1,
             "v_groups": data.draw(st.integers(1, 2), label="v_groups"),
         }
+        self.codecs = (
+            Codec(key_bits, group_size, pads[0], rotation, 2),
+            Codec(value_bits, group_size, pads[1], rotation, 2),
+        )
         self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
-        self.begin(data, data.draw(quantized_kv_states(**self.config), label="initial"))
-
-    @property
-    def length(self) -> int:
-        return self.rows[0].length
+        state = data.draw(quantized_kv_states(padded=padded, **self.config), label="initial")
+        self.begin(data, state)
 
     def draw_state(self, label: str, batch: int | None = None) -> ks.QuantizedKV:
-        strategy = quantized_kv_states(batch=batch, length=self.length, **self.config)
-        return self.data.draw(strategy, label=label)
+        return self.data.draw(quantized_kv_states(batch=batch, **self.config), label=label)
 
-    def read_rows(self, state: Any) -> list[QRow]:
+    def read_rows(self, state: Any) -> list[Row]:
         return quantized_rows(state)
 
-    def can_take_rows(self) -> bool:
-        return self.length > 0  # an empty QuantizedKV has no batch axis
-
     def assert_rows(self) -> None:
-        actual = quantized_rows(self.state)
-        assert len(actual) == len(self.rows)
-        for b, (a, e) in enumerate(zip(actual, self.rows, strict=True)):
-            assert a.length == e.length, f"row {b}: {a.length} tokens, reference {e.length}"
-            if a.length:
-                for name in ("keys", "values"):
-                    for part, x, y in zip(
-                        ("packed", "scales", "biases"),
-                        getattr(a, name),
-                        getattr(e, name),
-                        strict=True,
-                    ):
-                        assert np.array_equal(x, y), f"row {b} {name} {part} differ"
-
-    # merge / extend need a state to batch with (an empty QuantizedKV has no batch axis)
-    @precondition(lambda self: self.length > 0 and self.batch < 6)
-    @rule(data=st.data(), first=st.booleans())
-    def merge(self, data: Any, first: bool) -> None:
-        super().merge(data, first)
-
-    @precondition(lambda self: self.length > 0 and self.batch < 6)
-    @rule(first=st.booleans())
-    def extend(self, first: bool) -> None:
-        super().extend(first)
+        assert_rows_equal(quantized_rows(self.state), self.rows, "QuantizedKV")
 
     @rule(k=st.integers(1, 4))
     def forward(self, k: int) -> None:
         c = self.config
         shape = (self.batch, c["heads"], k)
-        keys = noise(self.rng, (*shape, c["k_groups"] * c["group_size"]), c["dtype"])
-        values = noise(self.rng, (*shape, c["v_groups"] * c["group_size"]), c["dtype"])
+        k_dim = c["k_groups"] * c["group_size"] - c["pads"][0]
+        v_dim = c["v_groups"] * c["group_size"] - c["pads"][1]
+        keys = noise(self.rng, (*shape, k_dim), c["dtype"])
+        values = noise(self.rng, (*shape, v_dim), c["dtype"])
         self.state = self.apply("forward", cache_forward, self.state, keys, values)
-        qk = mx.quantize(keys, group_size=c["group_size"], bits=c["bits"])
-        qv = mx.quantize(values, group_size=c["group_size"], bits=c["bits"])
-        new = [(_row_of(qk, b, k), _row_of(qv, b, k)) for b in range(self.batch)]
+        qk, qv = self.codecs[0].encode(keys), self.codecs[1].encode(values)
         self.rows = [
-            QRow(_cat(r.keys, nk), _cat(r.values, nv))
-            for r, (nk, nv) in zip(self.rows, new, strict=True)
+            r.append(_tokens(qk, b, 0, k), _tokens(qv, b, 0, k)) for b, r in enumerate(self.rows)
         ]
         self.pending = k
 
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        accepted = data.draw(st.integers(0, self.pending), label="accepted")
+        accepted = data.draw(accepted_counts(self.state), label="accepted")
+        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
-        keep = self.length - self.pending + accepted
+        ragged = len(set(counts)) > 1
+        event(f"quantized commit: {'ragged' if ragged else 'uniform'}, batch {self.batch}")
+        rows = []
+        for r, n in zip(self.rows, counts, strict=True):
+            kept = r.take(r.length - self.pending + n)
+            moved = ragged and n < max(counts)  # a ragged commit may reorder this row
+            rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
+        self.rows, self.pending = rows, 0
 
-        def cut(t: Triple | None) -> Triple | None:
-            return None if t is None else (t[0][:, :keep], t[1][:, :keep], t[2][:, :keep])
-
-        self.rows = [QRow(cut(r.keys), cut(r.values)) for r in self.rows]
-        self.pending = 0
-
-    @precondition(lambda self: self.batch > 1 and self.pending > 0)
-    @rule(data=st.data())
-    def ragged_commit_is_refused(self, data: Any) -> None:
-        counts = data.draw(
-            st.lists(st.integers(0, self.pending), min_size=self.batch, max_size=self.batch).filter(
-                lambda c: len(set(c)) > 1
-            ),
-            label="ragged",
-        )
-        with pytest.raises(ks.CommitError):
-            ks.commit_prefix(self.state, counts)
-        self.witness.check()
-
-    @precondition(lambda self: self.length > 0)
-    @rule()
-    def merge_of_other_length_is_refused(self) -> None:
-        other = quantized_kv_states(batch=1, length=self.length + 1, **self.config)
-        with pytest.raises(ks.ConfigMismatchError):
-            ks.merge([self.state, self.witness.hold(self.data.draw(other), "other length")])
-        self.witness.check()
+    @rule(k=st.integers(1, 4), data=st.data())
+    def speculate(self, k: int, data: Any) -> None:
+        """A verify forward of k draft tokens, then each row keeps its accepted prefix."""
+        self.forward(k)
+        self.commit(data)
 
     @invariant()
-    def appended_matches(self) -> None:
+    def bookkeeping_matches(self) -> None:
         assert self.state.appended == self.pending
-        assert self.state.length == self.length
+        lengths = [r.length for r in self.rows]
+        pads = self.state.left_padding
+        held = (
+            [self.state.length - p for p in np.array(pads).tolist()] if pads is not None else None
+        )
+        assert (held or [self.state.length] * self.batch) == lengths
 
 
 TestQuantizedMachine = QuantizedMachine.TestCase
