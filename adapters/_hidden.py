@@ -31,8 +31,10 @@ class Projection(NamedTuple):
 
 def output_projections(model: nn.Module) -> list[Projection]:
     """The modules of `model` that may compute its logits from its final hidden states."""
-    found = []
+    found: list[Projection] = []
     for name, module in model.named_modules():
+        if any(p.module is module for p in found):  # a module shared under two names
+            continue
         if name.rsplit(".", 1)[-1] == "lm_head":
             found.append(Projection(module, "__call__"))
         elif callable(getattr(type(module), "as_linear", None)):
@@ -74,7 +76,7 @@ def recording_hidden(projections: list[Projection]) -> Iterator[list[mx.array]]:
             module.__class__ = _recording_class(type(module), method)
         yield sink
     finally:
-        for module, cls in patched:
+        for module, cls in reversed(patched):
             module.__class__ = cls
         _SINK.reset(token)
 
