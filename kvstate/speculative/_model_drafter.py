@@ -2,26 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from .._transforms import commit_prefix, filter, merge
+from .._composite import ListState, ModelState
+from .._dense import DenseKV
+from .._transforms import capabilities, commit_prefix, filter, merge
+from ..kinds import Composite, record_forward
 from ._drafter import Proposal
 from ._sampling import Sampler
+
+# Kinds whose commit only moves the end of the buffer back (`length` -= rejected): the
+# entries k one-token forwards wrote sit exactly where one k-token forward writes them, so
+# k forwards stamped as one (`record_forward`) roll back with one `commit_prefix`. Windows
+# are left out (their rollback rebuilds from the layout one multi-token forward leaves, and
+# one-token forwards overwrite ring slots), so are recurrent arrays (they need checkpoints)
+# and the kinds no draft model's `make_cache` gives here (quantized, chunked).
+_TRIMMED_KINDS = (DenseKV,)
+
+
+def rolls_back_by_trim(state: Any) -> bool:
+    """Whether every part of `state` is a KV kind whose rollback is a trim of its end."""
+    if isinstance(state, (ModelState, ListState, Composite)):
+        return all(rolls_back_by_trim(p) for p in state.parts)
+    return isinstance(state, _TRIMMED_KINDS)
+
+
+class _Proposed(NamedTuple):
+    before: Any  # the state the proposal started from
+    after: Any  # after the pending draft, the last token and drafts 1..k-1
+    final_draft: mx.array  # (B, 1) draft k, never fed
+    pending: mx.array | None  # (B, 1) the last round's kept final draft, fed first
+    k: int
+
+    @property
+    def fed(self) -> int:
+        """Tokens the proposal's forwards fed: the pending draft, the last token and drafts
+        1..k-1."""
+        return self.k + (self.pending is not None)
 
 
 class ModelDrafter:
     """Drafts k tokens per row with a smaller model, one token at a time, and keeps the draft
     model's state in step with the target's.
 
-    After the verify, if every row kept the same number of tokens and that number reaches
-    the drafts the model already ran through (k of k + 1: the last token and all drafts but
-    the final one), the proposing state is the kept state as it is (the final draft, when
-    kept, is fed at the start of the next proposal). Otherwise the kept tokens run through
-    the draft model again from the state before the proposal: one plain forward when every
-    row kept the same number, one capturing forward and a ragged `commit_prefix` when rows
-    differ, so hybrid and recurrent draft models stay exact too.
+    After the verify the draft state must hold every token the target kept:
+    - every row kept k or k + 1 tokens: the proposing state as it is (the final draft, when
+      kept, is fed at the start of the next proposal, as in mlx-lm);
+    - a draft model whose state is only KV caches that trim (dense or quantized, no windows,
+      no recurrent layers): the proposal's k one-token forwards are stamped as one forward of
+      their tokens and rolled back with one `commit_prefix` (ragged counts too, where the
+      kind allows), like mlx-lm's trim of its draft cache, instead of running the kept
+      tokens again;
+    - otherwise (windows, recurrent and hybrid draft models) the kept tokens run through the
+      draft model again from the state before the proposal: one plain forward when every row
+      kept the same number, one capturing forward and a ragged `commit_prefix` when rows
+      differ, so those draft models stay exact.
+
+    Each draft token is evaluated asynchronously as soon as its forward is built, so the
+    device computes step i while the host builds step i + 1 (mlx-lm's pipelining).
 
     `draft`: a wrapped model (`kvstate.adapters.wrap(model)`).
     """
@@ -31,47 +71,57 @@ class ModelDrafter:
         self.key = mx.random.key(seed)
         self.state: Any = None  # holds every token the target kept, but `pending`
         self.pending: mx.array | None = None  # (B, 1) a kept final draft not yet fed
-        self._proposal: tuple[Any, mx.array, mx.array | None, int] | None = None
+        self._proposal: _Proposed | None = None
+        self._trims: bool | None = None  # rolls_back_by_trim of the draft state, once known
 
     def start(self, prompts: list[list[int]]) -> None:
         states = [self.draft(mx.array([p]), self.draft.init_state())[1] for p in prompts]
         self.state = states[0] if len(states) == 1 else merge(states)
         self.pending, self._proposal = None, None
+        self._trims = rolls_back_by_trim(self.state)
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        prefix = self.pending
         y = mx.array(last, mx.int32)[:, None]
+        prefix = self.pending
         if prefix is not None:
             y = mx.concatenate([prefix, y], axis=1)
         state, tokens, probs = self.state, [], []
         for _ in range(k):
             logits, state = self.draft(y, state)
-            q = sampler.probs(logits[:, -1])
-            self.key, key = mx.random.split(self.key)
-            y = sampler.sample(q, key)[:, None]
+            if sampler.greedy:  # sampler.sample(sampler.probs(l)) is l.argmax(-1), less work
+                y = logits[:, -1].argmax(-1).astype(mx.int32)[:, None]
+            else:
+                q = sampler.probs(logits[:, -1])
+                self.key, key = mx.random.split(self.key)
+                y = sampler.sample(q, key)[:, None]
+                probs.append(q[:, None])
+            mx.async_eval(y)
             tokens.append(y)
-            probs.append(q[:, None])
-        self._proposal = (state, y, prefix, k)  # after the last token and drafts 1..k-1
-        drafted = mx.concatenate(tokens, axis=1)
-        distributions = None if sampler.greedy else mx.concatenate(probs, axis=1)
+        self._proposal = _Proposed(self.state, state, y, prefix, k)
+        drafted = tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)
+        distributions = mx.concatenate(probs, axis=1) if probs else None
         return Proposal(drafted, [k] * len(last), distributions)
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         proposal, self._proposal, self.pending = self._proposal, None, None
         uniform = len(set(kept)) == 1
-        if proposal is not None and uniform and kept[0] >= proposal[3]:
-            state, final_draft, _, k = proposal
-            self.state = state
-            if kept[0] == k + 1:
-                self.pending = final_draft
+        if proposal is not None and uniform and kept[0] >= proposal.k:
+            self.state = proposal.after
+            if kept[0] == proposal.k + 1:
+                self.pending = proposal.final_draft
             return
-        prefix = None if proposal is None else proposal[2]
-        width = max(kept)
-        tokens = fed[:, :width]
-        if prefix is not None:  # fed at the start of the proposal, never kept in self.state
-            tokens = mx.concatenate([prefix, tokens], axis=1)
+        if self._trims and proposal is not None and _trims_to(proposal, kept, uniform):
+            self.state = _trimmed(proposal, kept)
+            return
+        self._run_kept(fed, kept, None if proposal is None else proposal.pending)
+
+    def _run_kept(self, fed: mx.array, kept: list[int], pending: mx.array | None) -> None:
+        """The kept tokens through the draft model again, from the state before the proposal."""
+        tokens = fed[:, : max(kept)]
+        if pending is not None:  # fed at the start of the proposal, never kept in self.state
+            tokens = mx.concatenate([pending, tokens], axis=1)
             kept = [n + 1 for n in kept]
-        if uniform:
+        if len(set(kept)) == 1:
             self.state = self.draft(tokens, self.state)[1]
             return
         _, verified, checkpoints = self.draft(tokens, self.state, capture=True)
@@ -81,3 +131,19 @@ class ModelDrafter:
         self.state = filter(self.state, rows)
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]
+
+
+def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:
+    """Whether a trim of the proposing state gives these counts: no row kept the final
+    draft (never fed), and ragged counts only where the kinds take them."""
+    if max(kept) > proposal.k:
+        return False
+    return uniform or capabilities(proposal.after).ragged_commit
+
+
+def _trimmed(proposal: _Proposed, kept: list[int]) -> Any:
+    """The proposing state rolled back to the state before it plus each row's kept tokens:
+    the proposal's forwards (prefix + k tokens) stamped as one, then one commit."""
+    stamped = record_forward(proposal.after, proposal.before, proposal.fed)
+    prefix = proposal.fed - proposal.k
+    return commit_prefix(stamped, [prefix + n for n in kept])
