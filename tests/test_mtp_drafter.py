@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import kvstate as ks
 from kvstate.adapters import MTPHead, wrap
@@ -250,3 +251,31 @@ def test_drafts_follow_the_distribution_the_proposal_reports():
         probs[common, 1], np.broadcast_to(probs[row, 1], probs[common, 1].shape), atol=1e-5
     )
     assert chi_square(np.bincount(drafts[common, 1], minlength=vocab), probs[row, 1]) < 16.27
+
+
+@pytest.mark.parametrize(
+    ("name", "tied"), [("llama", False), ("llama", True), ("qwen3_next", False)]
+)
+def test_the_mtp_head_shares_the_targets_embedding_norm_and_projection(name, tied):
+    """The head's logits are the target's output projection of the head's hidden states,
+    its input the target's embedding; only its fusion and layers are its own parameters."""
+    model = tiny_model(name, tie_word_embeddings=tied)
+    head = MTPHead(model)
+    hidden = mx.random.normal((2, 3, 64), key=mx.random.key(0))
+    tokens = mx.array([[1, 2, 3], [4, 5, 6]])
+    logits, out, _ = head(hidden, tokens, head.init_state(2))
+    project = model.model.embed_tokens.as_linear if tied else model.lm_head
+    np.testing.assert_allclose(np.array(project(out)), np.array(logits), rtol=1e-5, atol=1e-5)
+    fused = head.inner.model.embed_tokens
+    np.testing.assert_array_equal(
+        np.array(fused.embedding(tokens)), np.array(model.model.embed_tokens(tokens))
+    )
+    assert head.inner.model.norm is model.model.norm
+    own = {k for k, _ in tree_flatten(head.trainable_parameters())}
+    assert own and all(
+        ".layers." in k or ".enorm." in k or ".hnorm." in k or ".eh_proj." in k for k in own
+    )
+    assert any(".eh_proj." in k for k in own)
+    # The hidden states matter: other ones give other logits.
+    other = head(hidden + 1, tokens, head.init_state(2))[0]
+    assert not np.allclose(np.array(other), np.array(logits))
