@@ -18,7 +18,7 @@ from kvstate.testing import assert_states_equal, frozen_copy
 from tests.helpers import greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
-MODELS = ["llama", "qwen3", "qwen3_next", "mamba2", "nemotron_h"]
+MODELS = ["llama", "qwen3", "qwen3_next", "mamba2", "nemotron_h", "falcon_h1", "lfm2"]
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 # Branching at depths 0, 1 and 2: node i's parent is PARENTS[i] (-1: a child of `last`).
@@ -174,3 +174,28 @@ def test_bad_states_and_layers_are_refused(monkeypatch):
     hybrid = wrap(tiny_model("qwen3_next"))  # its recurrent layer is now one kvstate can't follow
     with pytest.raises(ks.StateError, match="not ones kvstate records"):
         verify_tree(hybrid, hybrid(mx.array([PROMPT]), hybrid.init_state())[1], 1, [2], [-1])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_a_row_of_a_ragged_batch_and_an_empty_state(name):
+    """A batch-1 state taken from a left-padded batch (its caches keep their padding), and
+    a state with no prefix at all, commit what a linear forward of the accepted tokens gives."""
+    model = tiny_model(name)
+    m = wrap(model)
+    prompts = [PROMPT, PROMPT[:4]]
+    batch = m([p + [0] * (len(PROMPT) - len(p)) for p in prompts], m.init_state(2),
+              lengths=[len(p) for p in prompts])[1]  # fmt: skip
+    short = ks.row_select(batch, 1)
+    truth = greedy_reference(model, PROMPT[:4], 6)
+    tokens, parents, expected = _truth_tree(truth)
+    verdict = verify_tree(m, short, truth[0], tokens, parents)
+    assert (verdict.nodes, verdict.tokens) == (expected, truth[1:5])
+    plain = m(mx.array([truth[:4]]), short)[1]
+    assert_same_context(verdict.state, plain, m, truth[4:6])
+
+    empty = m.init_state()
+    verdict = verify_tree(m, empty, PROMPT[0], [*PROMPT[1:3], 7], [-1, 0, 0])
+    kept = [PROMPT[0], *verdict.tokens[:-1]]
+    logits, plain = m(mx.array([kept]), empty)
+    assert verdict.tokens[-1] == int(logits[0, -1].argmax())
+    assert_same_context(verdict.state, plain, m, [1, 2])
