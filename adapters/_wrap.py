@@ -20,6 +20,7 @@ from kvstate import (
     check,
     tree_flatten,
 )
+from kvstate.distributed import with_placement
 from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 
 from ._capture import Mixer, known_mixers
@@ -27,6 +28,7 @@ from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
 from ._forward import run
 from ._hidden import Projection, output_projections
+from ._placement import model_placement
 
 
 class WrappedModel:
@@ -49,6 +51,9 @@ class WrappedModel:
         self._layers: tuple[dict[str, Any], ...] | None = None  # fit configs, from a probe
         self._vocab = 0
         self._voucher = object()  # marks the states known to fit this model
+        # A model split with mx.distributed (shard / pipeline, done before wrap): the part
+        # this rank runs, recorded in every state; `group` is None in a single process.
+        self.placement, self.group = model_placement(model)
         self._mixers: list[tuple[nn.Module, Mixer]] | None = None  # found at the first capture
         self._projections: list[Projection] | None = None  # found at the first hidden=True
 
@@ -79,11 +84,6 @@ class WrappedModel:
         `kvstate.speculative.verify_tree` (see `_tree_forward`)."""
         from ._tree_forward import check_parents, tree_run
 
-        if type(self.model).__module__.startswith("mlx_vlm."):
-            raise StateError(
-                "tree_forward: mlx-lm models only (an mlx-vlm model's own caches and output "
-                "type are not wired into the tree forward); verify linearly instead"
-            )
         self._check_fits(state)
         tokens, bad = self._tokens(tokens, state)
         if tokens.shape[0] != 1:
@@ -127,7 +127,7 @@ class WrappedModel:
         if hidden:
             return self._with_hidden(tokens, bad, state, lengths, capture)
         out = run(self.model, tokens, state, lengths=lengths, capture=capture, mixers=self._mixers)
-        logits, new = _poisoned(out.logits, bad), self._ours(out.state)
+        logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
         return (logits, new, out.checkpoints) if capture else (logits, new)
 
     def _with_hidden(
@@ -150,14 +150,20 @@ class WrappedModel:
             mixers=self._mixers,
             projections=self._projections,
         )
-        logits, new = _poisoned(out.logits, bad), self._ours(out.state)
+        logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
         assert out.hidden is not None
         hidden = _poisoned(out.hidden, bad)
         return (logits, new, out.checkpoints, hidden) if capture else (logits, new, hidden)
 
     # -- checks ------------------------------------------------------------------------------
 
-    def _ours(self, state: ModelState) -> ModelState:
+    def _ours(self, state: ModelState, *outputs: mx.array) -> ModelState:
+        if self.placement is not None:
+            state = with_placement(state, self.placement)
+            # Run this forward's collectives now: those of forwards built side by side and
+            # evaluated together could run in a different order on each rank (and mix up
+            # their messages: a pipeline's send / recv of different prompts).
+            mx.eval(*outputs, *tree_flatten(state)[0])
         return vouch(state, self._voucher)
 
     def _probe(self) -> tuple[dict[str, Any], ...]:
@@ -182,6 +188,15 @@ class WrappedModel:
             return
         check(state, values=False)
         found = layer_mismatches(self._probe(), state)
+        if state.placement != str(self.placement or ""):
+            # Ranks' states can have the same shapes (pipeline runs of alike layers, equal
+            # shares of heads): only the recorded placement tells them apart.
+            found.insert(
+                0,
+                f"the state holds {state.placement or 'a single-process model'}, this model "
+                f"runs {self.placement or 'in a single process'} (load the file this rank "
+                "saved, or gather / scatter with kvstate.distributed)",
+            )
         if found:
             raise ConfigMismatchError(
                 f"this state does not fit the wrapped model: {'; '.join(found[:12])}. Start "

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .kinds import Capabilities, Composite, state_class
+from ._errors import PlacementError
+from ._placement import Placement
+from .kinds import Capabilities, Composite, config_of, problems, state_class, static_field
 
 
 @state_class(Capabilities())
@@ -19,6 +21,45 @@ class ListState(Composite):
 
 @state_class(Capabilities())
 class ModelState(Composite):
-    """A whole model: one state per layer (`layers`, its parts), in `model.layers` order."""
+    """A whole model: one state per layer (`layers`, its parts), in `model.layers` order.
+
+    `placement`: "" for a single process; for one rank of a model split with mx.distributed,
+    which part of the model this state holds ("tensor rank 0 of 2", "pipeline rank 1 of 2,
+    layers 0:2 of 4"; see `kvstate.distributed.Placement`).
+    """
 
     layers: tuple[Any, ...] = ()
+    placement: str = static_field(default="")
+
+    @staticmethod
+    def __kvstate_upgrade__(statics: dict[str, Any], children: dict[str, Any]) -> Any:
+        """A file written before states recorded their placement: a single process's."""
+        if statics or set(children) != {"layers"}:
+            return None
+        return {"placement": ""}, children
+
+
+@config_of.register
+def _(state: ModelState) -> dict[str, Any]:
+    # States of different ranks or shardings must never be batched together.
+    parts = tuple(config_of(p) for p in state.parts)
+    return {"kind": "ModelState", "placement": state.placement, "parts": parts}
+
+
+@problems.register
+def _(state: ModelState, values: bool) -> list[str]:
+    found: list[str] = problems.dispatch(Composite)(state, values)
+    if not isinstance(state.placement, str):
+        return [*found, f"placement: must be a str; got a {type(state.placement).__name__}"]
+    try:
+        placed = Placement.parse(state.placement)
+    except PlacementError as e:
+        return [*found, f"placement: {e}"]
+    if placed is not None and placed.layers is not None:
+        start, stop = placed.layers
+        if stop - start != len(state.layers):
+            found.append(
+                f"placement: {state.placement!r} holds {stop - start} layers, the state has "
+                f"{len(state.layers)}"
+            )
+    return found

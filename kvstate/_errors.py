@@ -35,6 +35,15 @@ class FileFormatError(StateError):
     """A saved state that is truncated, tampered with, or of an unknown version."""
 
 
+class PlacementError(ConfigMismatchError):
+    """A state of one rank or sharding used where another is expected (a rank file loaded by
+    the wrong rank or world size, states of different shardings combined)."""
+
+
+class DivergenceError(StateError):
+    """The ranks of a distributed group reached different decisions (accepted counts, rows)."""
+
+
 def require(condition: bool, error: type[StateError], message: str) -> None:
     """Raise `error(message)` unless `condition` holds."""
     if not condition:

@@ -9,6 +9,9 @@ A kvstate file (format "kvstate", version 1) holds:
     "kvstate.body"    JSON {"tree": node, "arrays": {name: {"dtype", "shape", "sha256"}},
                             "metadata": {str: str}}   (the caller's metadata)
     "kvstate.sha256"  sha256 of the body text
+    "kvstate.placement" (a ModelState of one rank of a distributed model only) its placement,
+                      e.g. "tensor rank 0 of 2": the same text as the state's `placement`
+                      static inside the body, here for tools that read only the header
   where node is null | {"array": name} | {"tuple": [node, ...]} | {"list": [node, ...]} |
   {"class": name, "statics": {field: value}, "children": {field: node}}.
 
@@ -36,6 +39,7 @@ import numpy as np
 
 from ._errors import FileFormatError, ShapeError, StateError
 from ._io_mlx_lm import is_mlx_lm_file, load_mlx_lm
+from ._placement import check_rank
 from ._tree import is_state, rebuild
 from ._validation import check
 from .kinds import kind_named, kinds
@@ -44,6 +48,7 @@ FORMAT = "kvstate"
 VERSION = 1
 _FORMAT_KEY, _VERSION_KEY = "kvstate.format", "kvstate.version"
 _BODY_KEY, _SHA_KEY = "kvstate.body", "kvstate.sha256"
+_PLACEMENT_KEY = "kvstate.placement"
 
 _MAX_DEPTH = 64  # nesting of a state description; real states nest a few levels
 # fmt: off
@@ -92,16 +97,23 @@ def save(
         _BODY_KEY: body,
         _SHA_KEY: _sha256(body.encode()),
     }
+    if getattr(state, "placement", ""):
+        header[_PLACEMENT_KEY] = state.placement
     _write_atomically(os.fspath(path), arrays, header)
 
 
-def load(path: str | os.PathLike[str], *, return_metadata: bool = False) -> Any:
+def load(
+    path: str | os.PathLike[str], *, return_metadata: bool = False, group: Any = None
+) -> Any:
     """Read a state written by `save`, or a prompt cache written by mlx-lm's
     `save_prompt_cache` (which gives a `ModelState`, built as `kvstate.adapters.from_mlx_lm` builds it).
 
     Returns the state, or `(state, metadata)` with `return_metadata=True`.
     Raises `FileFormatError` for a missing, truncated, tampered, newer-version or foreign
     file; no state is returned unless every check passed.
+    `group` (an `mx.distributed.Group`, for one rank of a distributed model): the file must
+    hold this rank's state, saved by a run of the same world size (`PlacementError` if not).
+    Without `group` any rank's file loads (to gather them in one process, for instance).
     """
     path = os.fspath(path)
     meta = _read_header(path)
@@ -117,6 +129,8 @@ def load(path: str | os.PathLike[str], *, return_metadata: bool = False) -> Any:
             f"{sorted(meta)[:8]}). Load it with the tool that wrote it, or write it with "
             "kvstate.save"
         )
+    if group is not None:
+        check_rank(state, group.rank(), group.size(), repr(path))
     return (state, user) if return_metadata else state
 
 
@@ -327,6 +341,12 @@ def _load_kvstate(path: str, meta: dict[str, str]) -> tuple[Any, dict[str, str]]
             "state description; the file is corrupt, save the state again"
         )
     _check_loaded(path, state)
+    if meta.get(_PLACEMENT_KEY, "") != getattr(state, "placement", ""):
+        raise FileFormatError(
+            f"{path!r}: {_PLACEMENT_KEY} is {meta.get(_PLACEMENT_KEY)!r} but the state inside "
+            f"records {getattr(state, 'placement', '')!r}: the header was edited; save the state "
+            "again"
+        )
     return state, user
 
 

@@ -15,7 +15,9 @@ def summary(state: Any) -> str:
     """One line per state; a composite adds one indented line per part."""
     if isinstance(state, Composite):
         field = type(state)._parts_field
-        lines = [f"{_head(state)}, {len(state.parts)} {field})"]
+        placed = getattr(state, "placement", "")
+        where = f", {placed}" if placed else ""
+        lines = [f"{_head(state)}, {len(state.parts)} {field}{where})"]
         for i, part in enumerate(state.parts):
             lines.append(f"  [{i}] " + summary(part).replace("\n", "\n      "))
         return "\n".join(lines)

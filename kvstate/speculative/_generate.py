@@ -16,6 +16,7 @@ import mlx.core as mx
 from .._errors import StateError, TokenError
 from .._transforms import commit_prefix, filter, merge
 from .._tree import host_ints
+from ..distributed import agree, group_of
 from ._drafter import Drafter
 from ._sampling import Sampler, accept
 
@@ -59,6 +60,7 @@ def generate(
     sampler = sampler or Sampler()
     key = mx.random.key(seed)
     rows = list(range(len(prompts)))
+    group = group_of(target)  # a distributed model's ranks must decide alike; None: one process
     # A drafter with `uses_hidden` (MTP heads) also gets the target's final hidden states.
     extra = {"hidden": True} if getattr(drafter, "uses_hidden", False) else {}
     starts = [target(mx.array([list(p)]), target.init_state(), **extra) for p in prompts]
@@ -69,6 +71,8 @@ def generate(
         drafter.start([list(p) for p in prompts], **seen)
     key, sub = mx.random.split(key)
     last = host_ints(sampler.sample(sampler.probs(logits), sub))
+    if group is not None:
+        agree(last, group, what="the first tokens")
     counts = [0] * len(rows)
     logprobs = _logprobs(logits)
     round_tokens = [
@@ -114,6 +118,8 @@ def generate(
                     width = min(k, width + 1)
                 elif not any(accepted):
                     width = max(1, width - 1)
+        if group is not None:
+            agree([*rows, *accepted, *nxt], group, what="the rows, accepted counts and next tokens")
         if drafter is not None:
             seen = {"hidden": hidden[0]} if extra else {}
             drafter.accept(fed, [a + 1 for a in accepted], **seen)

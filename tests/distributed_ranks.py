@@ -1,0 +1,232 @@
+"""One rank of tests/test_distributed.py, started by `mlx.launch --backend ring -n 2`.
+
+Every rank runs the same checks on tiny random-init models split over the group (llama and a
+qwen3_5-style hybrid tensor-sharded, a qwen3_next-style model pipelined) against the same
+model run whole in this process (mlx-lm's own generate_step and caches: the oracle), and
+writes what it saw to OUT/rank<r>.json; the parent test compares the ranks and asserts.
+A check that raises is recorded, not fatal, so the other checks still report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvstate as ks
+from kvstate import distributed
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
+from kvstate.speculative import Proposal, Sampler, generate
+from kvstate.testing import assert_states_allclose, assert_states_equal
+
+NEW = 16
+PROMPT = [3, 17, 42, 99, 7, 250, 31, 8]
+PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 120], [100, 101, 102], [7, 7, 40, 41, 42]]
+
+MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "llama": ("llama", {}, "shard"),
+    "qwen3_5": ("qwen3_next", {"model_type": "qwen3_5", "num_experts": 0}, "shard"),
+    "qwen3_next": ("qwen3_next", {}, "pipeline"),
+}
+
+
+RANK_STATES: dict[str, list[ks.ModelState]] = {}
+
+
+class ScriptedDrafter:
+    """Proposes each row's true greedy continuation, each token right with probability 1/2
+    (a seeded choice: the same on every rank unless given different seeds)."""
+
+    def __init__(self, truth: list[list[int]], seed: int) -> None:
+        self.truth, self.rng = truth, np.random.default_rng(seed)
+        self.rows, self.emitted = list(range(len(truth))), [1] * len(truth)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        drafts = []
+        for row, at in zip(self.rows, self.emitted, strict=True):
+            true = (self.truth[row] + [0] * (k + 1))[at : at + k]
+            drafts.append([t if self.rng.random() < 0.5 else (t + 1) % VOCAB for t in true])
+        return Proposal(mx.array(drafts, mx.int32), [k] * len(drafts), None)
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        self.emitted = [e + n for e, n in zip(self.emitted, kept, strict=True)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.emitted = [self.emitted[i] for i in rows]
+
+
+def build(name: str, group: Any = None) -> Any:
+    arch, overrides, how = MODELS[name]
+    model = tiny_model(arch, **overrides)
+    if group is not None:
+        model.shard(group) if how == "shard" else model.model.pipeline(group)
+    return model
+
+
+def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def barrier(group: Any) -> None:
+    distributed.agree([1], group, what="barrier")
+
+
+def rounds(target: Any, prompts: list[list[int]], drafter: Any) -> list[list[list[int]]]:
+    """Every round's tokens as [row, token, from_draft]."""
+    return [
+        [[t.row, t.token, int(t.from_draft)] for t in r]
+        for r in generate(target, prompts, drafter, k=4, max_tokens=NEW)
+    ]
+
+
+def by_row(seen: list[list[list[int]]], rows: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(rows)]
+    for r in seen:
+        for row, token, _ in r:
+            out[row].append(token)
+    return out
+
+
+def verify_round(m: Any) -> ks.ModelState:
+    """A ragged prompt batch, two decode steps, a capturing verify and a ragged commit."""
+    width = max(len(p) for p in PROMPTS)
+    padded = [p + [0] * (width - len(p)) for p in PROMPTS]
+    _, state = m(padded, m.init_state(len(PROMPTS)), lengths=[len(p) for p in PROMPTS])
+    for t in ([[5], [6], [7]], [[8], [9], [10]]):
+        _, state = m(t, state)
+    _, verified, checkpoints = m([[1, 2, 3, 4]] * 3, state, capture=True)
+    return ks.commit_prefix(verified, [1, 3, 2], checkpoints)
+
+
+def raises(fn: Any) -> dict[str, str]:
+    try:
+        fn()
+    except Exception as e:  # recorded for the parent, which asserts on type and message
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": "", "message": "no error"}
+
+
+def check_model(name: str, group: Any, out: str, found: dict[str, Any]) -> None:
+    rank = group.rank()
+    whole, split = build(name), build(name, group)
+    m, w = wrap(split), wrap(whole)
+    found["placement"] = str(m.placement)
+
+    truth = [greedy(whole, p, NEW + 8) for p in PROMPTS]
+    found["oracle"] = truth[0][:NEW]
+    # Greedy through wrap, and teacher-forced logits against the whole model's own caches.
+    state = m.init_state()
+    logits, state = m([PROMPT], state)
+    tokens = []
+    for _ in range(NEW):
+        tokens.append(int(mx.argmax(logits[0, -1])))
+        logits, state = m([[tokens[-1]]], state)
+    found["greedy"] = tokens
+    found["greedy_oracle"] = greedy(whole, PROMPT, NEW)
+    forced = PROMPT + found["greedy_oracle"]
+    caches, got = make_prompt_cache(whole), m.init_state()
+    worst = 0.0
+    for at, size in ((0, 8), (8, 1), (9, 4), (13, 3)):
+        ref = whole(mx.array([forced[at : at + size]]), cache=caches)
+        lg, got = m([forced[at : at + size]], got)
+        worst = max(worst, float(mx.abs(lg - ref).max()))
+    found["forced_logits_max_diff"] = worst
+
+    # Speculative decoding, a ragged batch: the rounds (rows, counts, tokens) of this rank.
+    seen = rounds(m, PROMPTS, ScriptedDrafter(truth, seed=1))
+    found["speculative_rounds"] = seen
+    found["speculative_tokens"] = by_row(seen, len(PROMPTS))
+    found["truth"] = [t[:NEW] for t in truth]
+
+    # States: every rank saves its own; any rank gathers them all into the whole model's.
+    mine = verify_round(m)
+    path = os.path.join(out, f"{name}.rank{rank}.safetensors")
+    ks.save(path, mine)
+    barrier(group)
+    files = [os.path.join(out, f"{name}.rank{r}.safetensors") for r in range(group.size())]
+    loaded = [ks.load(f) for f in files]
+    gathered = distributed.gather(loaded)
+    reference = verify_round(w)
+    found["gather"] = raises(lambda: assert_states_allclose(gathered, reference, atol=1e-4))
+    placements = [distributed.placement_of(s) for s in loaded]
+    back = distributed.scatter(gathered, placements)
+    found["scatter"] = raises(lambda: assert_states_equal(back[rank], mine))
+    found["load_own"] = raises(lambda: ks.load(files[rank], group=group))
+    found["batch_rows"] = ks.batch_size(mine)
+
+    # Bad input: the other rank's file, a world size of 4, another rank's state in this model,
+    # states of two ranks batched together.
+    other = files[1 - rank]
+    found["load_other_rank"] = raises(lambda: ks.load(other, group=group))
+    four = os.path.join(out, f"{name}.four.rank{rank}.safetensors")
+    placed = distributed.Placement("tensor", rank, 4)
+    ks.save(four, ks.ModelState(mine.layers, str(placed)))
+    found["load_world_4"] = raises(lambda: ks.load(four, group=group))
+    theirs = loaded[1 - rank]
+    found["feed_other_rank"] = raises(lambda: m([[1], [2], [3]], theirs))
+    found["merge_ranks"] = raises(lambda: ks.merge([loaded[0], loaded[1]]))
+    RANK_STATES[name] = loaded
+    barrier(group)
+
+
+def check_divergence(group: Any, found: dict[str, Any]) -> None:
+    rank = group.rank()
+    found["agree_same"] = distributed.agree([4, 2, 7], group)
+    found["agree_different"] = raises(lambda: distributed.agree([1, 2, rank], group))
+    found["agree_lengths"] = raises(lambda: distributed.agree([9] * (rank + 1), group))
+    whole, m = build("llama"), wrap(build("llama", group))
+    truth = [greedy(whole, p, NEW + 8) for p in PROMPTS]
+    # Drafters seeded differently per rank: the ranks accept different counts.
+    found["generate_different_drafts"] = raises(
+        lambda: rounds(m, PROMPTS, ScriptedDrafter(truth, seed=10 + rank))
+    )
+    # Different sampling seeds per rank: different sampled tokens.
+    hot = Sampler(temperature=1.0)
+    found["generate_different_seeds"] = raises(
+        lambda: list(generate(m, PROMPTS, None, max_tokens=4, sampler=hot, seed=rank))
+    )
+    # Rank 0 of a tensor-sharded model and rank 1 of a pipelined one are not one model.
+    if {"llama", "qwen3_next"} <= set(RANK_STATES):
+        mixed = [RANK_STATES["llama"][0], RANK_STATES["qwen3_next"][1]]
+        found["gather_mixed"] = raises(lambda: distributed.gather(mixed))
+
+
+def main() -> None:
+    out = sys.argv[1]
+    group = mx.distributed.init()
+    found: dict[str, Any] = {"rank": group.rank(), "size": group.size(), "models": {}}
+    names = sys.argv[2:] or list(MODELS)
+    for name in names:
+        found["models"][name] = {}
+        started = time.perf_counter()
+        try:
+            check_model(name, group, out, found["models"][name])
+        except Exception:
+            found["models"][name]["crash"] = traceback.format_exc()
+        found["models"][name]["seconds"] = time.perf_counter() - started
+    found["divergence"] = {}
+    started = time.perf_counter()
+    try:
+        check_divergence(group, found["divergence"])
+    except Exception:
+        found["divergence"]["crash"] = traceback.format_exc()
+    found["divergence"]["seconds"] = time.perf_counter() - started
+    with open(os.path.join(out, f"rank{group.rank()}.json"), "w") as f:
+        json.dump(found, f)
+
+
+if __name__ == "__main__":
+    main()
