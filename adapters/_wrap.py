@@ -84,6 +84,11 @@ class WrappedModel:
         `kvstate.speculative.verify_tree` (see `_tree_forward`)."""
         from ._tree_forward import check_parents, tree_run
 
+        if type(self.model).__module__.startswith("mlx_vlm."):
+            raise StateError(
+                "tree_forward: mlx-lm models only (an mlx-vlm model's own caches and output "
+                "type are not wired into the tree forward); verify linearly instead"
+            )
         self._check_fits(state)
         tokens, bad = self._tokens(tokens, state)
         if tokens.shape[0] != 1:
