@@ -97,7 +97,7 @@ class WrappedModel:
         if self._mixers is None:
             self._mixers = known_mixers(self.model)
         logits, new, checkpoints = tree_run(self.model, tokens, state, links, self._mixers)
-        return _poisoned(logits, bad), self._ours(new), checkpoints
+        return _poisoned(logits, bad), self._ours(new, logits), checkpoints
 
     def __call__(
         self,
