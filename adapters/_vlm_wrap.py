@@ -14,7 +14,8 @@ What differs from an mlx-lm model, and where mlx-vlm's `generate_step` is the re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import MethodType
 from typing import Any, cast
 
@@ -22,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.cache import make_prompt_cache
 
-from kvstate import ModelState, ShapeError, StateError
+from kvstate import ModelState, ShapeError, StateError, tree_flatten
 from kvstate.kinds import as_int
 
 from ._capture import arrays_caches, known_mixers
@@ -109,7 +110,8 @@ class VLMWrappedModel(WrappedModel):
             from kvstate.kinds import fit_config_of
 
             caches = self._caches()
-            logits = LanguageStep(self.language_model, {})(mx.array([[0]]), caches)
+            with _module_state_kept(self.language_model):
+                logits = LanguageStep(self.language_model, {})(mx.array([[0]]), caches)
             self._layers = tuple(fit_config_of(from_cache(c)) for c in caches)
             self._vocab = _vocab_size(self.model, self.language_model, int(logits.shape[-1]))
         return self._layers
@@ -138,7 +140,7 @@ class VLMWrappedModel(WrappedModel):
         ids, bad = self._tokens(tokens, state)
         if lengths is not None:
             _check_lengths(lengths, ids.shape, capture)
-        inputs = self._inputs(ids, pixel_values, mask, inputs_embeds, model_inputs)
+        inputs = self._inputs(ids, state, pixel_values, mask, inputs_embeds, model_inputs)
         if capture and inputs:
             raise StateError(
                 "capture=True with a prompt's extra inputs (pixel_values, mask, "
@@ -163,6 +165,7 @@ class VLMWrappedModel(WrappedModel):
     def _inputs(
         self,
         ids: mx.array,
+        state: ModelState,
         pixel_values: Any,
         mask: Any,
         inputs_embeds: mx.array | None,
@@ -178,14 +181,39 @@ class VLMWrappedModel(WrappedModel):
                     f"got {tuple(inputs_embeds.shape)}"
                 )
             return {"inputs_embeds": inputs_embeds, **model_inputs}
-        if pixel_values is UNSET and mask is None and not model_inputs:
+        if pixel_values is UNSET and mask is None and not model_inputs and _started(state):
             return {}
+        # A prompt (extra inputs, or the first forward of a conversation) takes the
+        # embedding path, as in generate_step: models with mRoPE (Qwen-VL) compute their
+        # positions there, and a plain forward would reuse the module's last ones.
         pixels = None if pixel_values is UNSET else pixel_values
         features = self.model.get_input_embeddings(ids, pixels, mask=mask, **model_inputs)
         extra = {
             k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None
         }
         return {**model_inputs, **extra, "inputs_embeds": features.inputs_embeds}
+
+
+def _started(state: ModelState) -> bool:
+    """Whether the state holds anything yet (its first layer holds arrays)."""
+    return bool(state.layers) and bool(tree_flatten(state.layers[0])[0])
+
+
+@contextmanager
+def _module_state_kept(module: nn.Module) -> Iterator[None]:
+    """Run with the module's own entries put back afterwards: a probe forward must not
+    leave state on the model (Qwen-VL language models keep `_position_ids` and
+    `_rope_deltas` of the last prompt on themselves)."""
+    entries, attributes = dict(module.items()), dict(vars(module))
+    try:
+        yield
+    finally:
+        for key in [k for k in module if k not in entries]:
+            del module[key]
+        for key, value in entries.items():
+            dict.__setitem__(module, key, value)
+        vars(module).clear()
+        vars(module).update(attributes)
 
 
 def padded_prompt_cache(layer: Any) -> Any:

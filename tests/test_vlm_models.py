@@ -23,6 +23,7 @@ from tests.vlm_helpers import (
     IMAGE_TOKENS,
     random_image,
     tiny_llava,
+    tiny_qwen2_vl,
     tiny_vlm,
     vlm_generate,
     vlm_logits,
@@ -102,6 +103,30 @@ def test_a_prompt_with_extra_inputs_cannot_be_a_capturing_forward(llava):
     m = wrap(llava)
     with pytest.raises(ks.StateError, match="capture=True with a prompt"):
         m(mx.array([IMAGE_PROMPT]), m.init_state(), pixel_values=random_image(), capture=True)
+
+
+def test_qwen2_vl_mrope_prompts_take_the_embedding_path_like_generate():
+    """Qwen-VL language models keep the last prompt's mRoPE positions on themselves. A
+    conversation's first forward goes through get_input_embeddings as in generate_step, so
+    positions left on the module by an earlier conversation (or by the wrapper's own shape
+    probe) do not leak into the next prompt."""
+    model = tiny_qwen2_vl()
+    short_ref, _ = vlm_generate(model, PROMPT[:4], 3)
+    ref, _ = vlm_generate(model, PROMPT, 10)
+    # The wrapper's shape probe leaves the module's positions as generate left them (the
+    # token steps of an image prompt read them).
+    language = model.language_model
+    before = (dict(language.items()), dict(vars(language)))
+    m = wrap(model)
+    assert m.vocab_size == VOCAB
+    after = (dict(language.items()), dict(vars(language)))
+    for was, now in zip(before, after, strict=True):
+        assert was.keys() == now.keys()
+        assert all(was[k] is now[k] for k in was)
+    short, _ = greedy(m, PROMPT[:4], 3)  # leaves a 4-token prompt's positions on the module
+    got, _ = greedy(m, PROMPT, 10)
+    assert (short, got) == (short_ref, ref)
+    assert len(set(ref)) >= 4
 
 
 # ---------------------------------------------------------------------------------------

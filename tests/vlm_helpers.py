@@ -117,3 +117,41 @@ def vlm_logits(
     for chunk in chunks[1:]:
         out.append(model.language_model(mx.array([chunk]), cache=caches).logits)
     return out
+
+
+def tiny_qwen2_vl(*, seed: int = 0, scale: float = 4.0) -> nn.Module:
+    """A qwen2_vl (mRoPE language model, one-block vision tower), random-init. Its language
+    model keeps the last prompt's `_position_ids` / `_rope_deltas` on itself."""
+    from mlx_vlm.models import qwen2_vl
+
+    vision = qwen2_vl.VisionConfig.from_dict(
+        {
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        }
+    )
+    config = qwen2_vl.ModelConfig.from_dict(
+        {
+            "model_type": "qwen2_vl",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": VOCAB,
+            "image_token_id": VOCAB - 6,
+            "video_token_id": VOCAB - 5,
+            "vision_start_token_id": VOCAB - 4,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "vision_config": vision,
+        }
+    )
+    config.text_config = qwen2_vl.TextConfig.from_dict(config.text_config)
+    mx.random.seed(seed)
+    return _scaled(qwen2_vl.Model(config), seed, scale)
