@@ -1,0 +1,184 @@
+"""Quality and decode speed of QuantizedKV's options (issue 9).
+
+Part 1, per method: bytes per element (packed words, scales and biases), key and value
+relative error ||x^ - x|| / ||x||, and attention-output relative error of
+`kvstate.quantized_attention` against float32 attention on the unquantized K/V, on Gaussian
+K/V and on K/V with 4 channels scaled x10, shape (1, 8, 1024, 128), 16 Gaussian queries.
+Part 2: next-token KL(fp16 || quantized) and top-1 agreement against an fp16 dense state on
+a random-init llama (float16, head_dim 128), teacher-forced over 48 tokens after a 256-token
+prompt. Part 3: decode-step time of the wrapped model with an asymmetric K5/V3 state against
+mlx-lm's QuantizedKVCache at 4 bits (equal memory: 8 bits per key+value pair, same scales),
+interleaved, with the paired ratio (float32: the CPU has no fast float16).
+
+    python benchmarks/quantized_quality.py [--context 1024] [--steps 24] [--reps 5]
+        [--parts quality,model,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvstate as ks
+import kvstate.quantization
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import tiny_model
+
+METHODS: list[tuple[str, dict[str, Any]]] = [
+    ("affine K4/V4 g64", {"bits": 4, "group_size": 64}),
+    ("affine K8/V8 g64", {"bits": 8, "group_size": 64}),
+    ("affine K4/V3 g64", {"key_bits": 4, "value_bits": 3, "group_size": 64}),
+    ("so4 K4/V3 g64", {"key_bits": 4, "value_bits": 3, "group_size": 64, "rotation": "so4"}),
+    ("hadamard K4/V4 g64", {"bits": 4, "group_size": 64, "rotation": "hadamard"}),
+    (
+        "hadamard K4/V3 g64",
+        {"key_bits": 4, "value_bits": 3, "group_size": 64, "rotation": "hadamard"},
+    ),
+    ("hadamard K3/V3 g64", {"bits": 3, "group_size": 64, "rotation": "hadamard"}),
+    ("hadamard K2/V2 g32", {"bits": 2, "group_size": 32, "rotation": "hadamard"}),
+]
+
+
+def rel(a: mx.array, b: mx.array) -> float:
+    x, y = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+def kv_data(outliers: bool) -> tuple[mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((1, 8, 1024, 128)).astype(np.float32) for _ in range(2))
+    if outliers:
+        channels = rng.choice(128, size=4, replace=False)
+        k[..., channels] *= 10
+        v[..., channels] *= 10
+    q = rng.standard_normal((1, 8, 16, 128)).astype(np.float32)
+    return mx.array(q), mx.array(k), mx.array(v)
+
+
+def quality_rows() -> None:
+    print("| method | bytes/elem K | bytes/elem V | data | key err | value err | attention err |")
+    print("|---|---|---|---|---|---|---|")
+    for name, options in METHODS:
+        for outliers in (False, True):
+            q, k, v = kv_data(outliers)
+            state = ks.quantize(ks.DenseKV(k, v, length=1024), **options)
+            kc, vc = ks.quantization.key_codec(state), ks.quantization.value_codec(state)
+            k_hat, v_hat = kc.decode(state.keys), vc.decode(state.values)
+            scale = 128**-0.5
+            exact = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
+            approx = ks.quantized_attention(q, state, scale=scale)
+            per = k.size
+            kb = sum(a.nbytes for a in state.keys) / per
+            vb = sum(a.nbytes for a in state.values) / per
+            data = "outliers x10" if outliers else "Gaussian"
+            print(
+                f"| {name} | {kb:.3f} | {vb:.3f} | {data} | {rel(k_hat, k):.3f} | "
+                f"{rel(v_hat, v):.3f} | {rel(approx, exact):.3f} |",
+                flush=True,
+            )
+
+
+def model_rows() -> None:
+    model = tiny_model(
+        "llama",
+        head_dim=128,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        dtype=mx.float16,
+        scale=2.0,
+    )
+    m = wrap(model)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, 256).tolist()
+    follow = rng.integers(0, 256, 48).tolist()
+    _, dense = m(mx.array([prompt]), m.init_state())
+    ref, _ = m(mx.array([follow]), dense)
+    p = mx.softmax(ref[0].astype(mx.float32), axis=-1)
+    print("\n| method | next-token KL (fp16 -> method) | top-1 agreement |")
+    print("|---|---|---|")
+    for name, options in METHODS:
+        logits, _ = m(mx.array([follow]), ks.quantize(dense, **options))
+        x = logits[0].astype(mx.float32)
+        log_q = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        kl = mx.sum(p * (mx.log(p + 1e-30) - log_q), axis=-1).mean().item()
+        top1 = (logits[0].argmax(-1) == ref[0].argmax(-1)).astype(mx.float32).mean().item()
+        print(f"| {name} | {kl:.5f} | {top1:.3f} |", flush=True)
+
+
+def decode_rows(context: int, steps: int, reps: int) -> None:
+    model = tiny_model(
+        "llama",
+        head_dim=128,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+    )
+    m = wrap(model)
+    prompt = mx.array([np.random.default_rng(2).integers(0, 256, context).tolist()])
+    _, dense = m(prompt, m.init_state())
+    ks.eval(dense)
+    token = mx.array([[7]])
+
+    def ours() -> float:
+        state = ks.eval(ks.quantize(dense, key_bits=5, value_bits=3, group_size=64))
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits, state = m(token, state)
+            mx.eval(logits, ks.tree_flatten(state)[0])
+        return (time.perf_counter() - start) / steps
+
+    def theirs() -> float:
+        caches = make_prompt_cache(model)
+        model(prompt, cache=caches)
+        caches = [c.to_quantized(group_size=64, bits=4) for c in caches]
+        mx.eval([a for c in caches for a in (*c.keys, *c.values)])
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = model(token, cache=caches)
+            mx.eval(logits, [a for c in caches for a in (*c.keys, *c.values)])
+        return (time.perf_counter() - start) / steps
+
+    ours(), theirs()  # warm up (routing, compilation of kernels)
+    pairs = []
+    for r in range(reps):
+        a, b = (ours(), theirs()) if r % 2 == 0 else tuple(reversed((theirs(), ours())))
+        pairs.append((a, b))
+        print(f"rep {r}: kvstate K5/V3 {a * 1e3:.2f} ms/step, mlx-lm 4-bit {b * 1e3:.2f} ms/step")
+    ratio = statistics.median(b / a for a, b in pairs)
+    print(
+        f"\ndecode step, context {context}: kvstate K5/V3 "
+        f"{statistics.median(a for a, _ in pairs) * 1e3:.2f} ms, mlx-lm QuantizedKVCache 4-bit "
+        f"{statistics.median(b for _, b in pairs) * 1e3:.2f} ms; throughput ratio "
+        f"(kvstate / mlx-lm) {ratio:.2f}x (median of {reps} paired reps)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--parts", default="quality,model,decode")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    print(f"mlx {mx.__version__}, {mx.default_device()}, {platform.machine()}\n")
+    if "quality" in parts:
+        quality_rows()
+    if "model" in parts:
+        model_rows()
+    if "decode" in parts:
+        decode_rows(args.context, args.steps, args.reps)
+
+
+if __name__ == "__main__":
+    main()
