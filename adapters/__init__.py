@@ -1,4 +1,8 @@
-"""The model boundary: mlx-lm cache objects <-> kvstate states, and `wrap(model)`."""
+"""The model boundary: mlx-lm cache objects <-> kvstate states, and `wrap(model)`.
+
+mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` and
+`from_mlx_lm` hand mlx-vlm objects to it; importing this package never imports mlx_vlm).
+"""
 
 # Importing the kind modules registers their converters.
 from . import _chunked, _dense, _quantized, _recurrent, _rotating  # noqa: F401

@@ -84,7 +84,10 @@ class VLMWrappedModel(WrappedModel):
         logits, state = m(prompt, m.init_state(), pixel_values=pixels, mask=mask)
         logits, state = m(next_token, state)
 
-    Everything else (checks, `lengths=`, `capture=`) is `WrappedModel`'s.
+    A conversation's first forward always goes through the model's `get_input_embeddings`
+    (as in mlx-vlm's `generate_step`), later ones are plain token steps. Everything else
+    (checks, `lengths=`, `capture=`) is `WrappedModel`'s; `hidden=True` and `tree_forward`
+    are not available for mlx-vlm models yet.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -126,6 +129,7 @@ class VLMWrappedModel(WrappedModel):
         pixel_values: Any = UNSET,
         mask: Any = None,
         inputs_embeds: mx.array | None = None,
+        hidden: bool = False,
         **model_inputs: Any,
     ) -> Any:
         """Run `tokens` (B, K) through the language model from `state`; see
@@ -136,6 +140,8 @@ class VLMWrappedModel(WrappedModel):
         run the embedding path of mlx-vlm's `generate_step`; `inputs_embeds` (B, K, D)
         replaces the token embeddings directly (the tokens still go along, as in mlx-vlm).
         """
+        if hidden:
+            raise StateError("hidden=True is not available for mlx-vlm models yet")
         self._check_fits(state)
         ids, bad = self._tokens(tokens, state)
         if lengths is not None:
@@ -161,6 +167,10 @@ class VLMWrappedModel(WrappedModel):
         )
         logits, new = _poisoned(out.logits, bad), self._ours(out.state)
         return (logits, new, out.checkpoints) if capture else (logits, new)
+
+    def tree_forward(self, tokens: Any, state: ModelState, parents: Sequence[int]) -> Any:
+        """Not available for mlx-vlm models yet (the tree forward runs mlx-lm's caches)."""
+        raise StateError("tree_forward is not available for mlx-vlm models yet")
 
     def _inputs(
         self,

@@ -354,3 +354,11 @@ def test_readme_mlx_vlm_example_decodes_like_mlx_vlm_generate(llava, monkeypatch
     assert tokens == vlm_generate(llava, IMAGE_PROMPT, len(tokens), pixel_values=image)[0]
     caches = namespace["caches"]
     assert [type(c).__module__ for c in caches] == ["mlx_vlm.models.cache"] * len(caches)
+
+
+def test_what_is_not_available_for_mlx_vlm_models_says_so(llava):
+    m = wrap(llava)
+    with pytest.raises(ks.StateError, match="hidden=True"):
+        m(mx.array([[1, 2]]), m.init_state(), hidden=True)
+    with pytest.raises(ks.StateError, match="tree_forward"):
+        m.tree_forward(mx.array([[1, 2]]), m.init_state(), [-1, 0])
