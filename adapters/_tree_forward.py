@@ -3,7 +3,7 @@
 Position q of the T inputs has parent `parents[q]` < q (-1: the prefix itself, only for
 q = 0). One mlx-lm forward of the T tokens computes, for every q, what a linear forward of
 the root-to-q path would compute at its end:
-- attention: every dense KV cache's mask (mlx-lm's models ask the cache: `make_mask`) is
+- attention: every KV cache's mask (mlx-lm's models ask the cache: `make_mask`) is
   the causal one AND "q sees the prefix, and among the new tokens only its ancestors and
   itself"; the keys are appended in input order, so a path's keys are gathered afterwards;
 - positions: RoPE at `offset + depth(q)`, not `offset + q`. The rope modules get a subclass
@@ -21,8 +21,10 @@ The checkpoints come back in the capture's structure (see `_capture`), indexed b
 position: entry t of a recurrent array's checkpoint is its value after position t - 1 (t = 0:
 before the forward), as a plain array (conv windows) or `StepStates` (recurrences).
 
-Anything that would silently ignore the tree is refused with a StateError: sliding-window,
-quantized or chunked caches, recurrent layers kvstate does not record, rope modules that do
+Sliding windows (RotatingKVCache): the window is counted along each token's path, as in
+mlx-lm's `create_causal_mask(window_size=...)` for a linear forward of that path.
+Anything that would silently ignore the tree is refused with a StateError: batched
+sliding-window, quantized or chunked caches, recurrent layers kvstate does not record, rope modules that do
 not take per-row offsets, a model that builds its attention mask without asking its cache.
 """
 
@@ -42,6 +44,7 @@ from mlx_lm.models.cache import (
     CacheList,
     ConcatenateKVCache,
     KVCache,
+    RotatingKVCache,
 )
 
 from kvstate import ModelState, RecurrentState, StateError, StepStates
@@ -51,7 +54,7 @@ from ._capture import Mixer, Record, recording
 from ._convert import from_cache, to_cache
 from ._forward import _per_recurrent
 
-_DENSE = (KVCache, BatchKVCache, ConcatenateKVCache)
+_ATTENTION = (KVCache, BatchKVCache, ConcatenateKVCache, RotatingKVCache)
 # Rope classes that pass `offset` straight to mx.fast.rope (so a per-row array works).
 _ROPES: tuple[type, ...] = (
     nn.RoPE,
@@ -104,6 +107,16 @@ class Tree:
         prefix = causal.shape[-1] - self.size
         new = mx.concatenate([mx.ones((self.size, prefix), mx.bool_), self.ancestry()], 1)
         return mx.logical_and(causal, new)
+
+    def window_mask(self, prefix: int, window: int) -> mx.array:
+        """(T, prefix + T): mlx-lm's sliding-window causal mask (`create_causal_mask` with
+        `window_size`) as each token's linear path sees it: token q sits at prefix + depth(q),
+        so it sees the prefix keys less than `window` positions back, and its ancestors."""
+        self.masks_made += 1
+        depth = self.depths[:, None]
+        old = mx.arange(prefix)[None] > prefix + depth - window
+        near = (depth - self.depths[None]) < window
+        return mx.concatenate([old, mx.logical_and(self.ancestry(), near)], 1)
 
     # -- recurrent layers -------------------------------------------------------------------
 
@@ -256,16 +269,16 @@ def tree_run(
     (logits (1, T, vocab), state with all T tokens appended, checkpoints by position)."""
     tree = Tree(parents)
     caches = [to_cache(layer) for layer in state.layers]
-    dense = _checked_caches(caches)
+    attention = _checked_caches(caches)
     width = tokens.shape[1]
     with ExitStack() as scope:
-        scope.enter_context(_masked(dense, tree))
+        scope.enter_context(_masked(attention, tree))
         scope.enter_context(_positioned(_rope_modules(model), tree))
         records = scope.enter_context(recording(mixers, caches))
         for record in records:
             record.tree = tree
         logits = model(tokens, cache=caches)
-    if dense and tree.masks_made == 0:
+    if attention and tree.masks_made == 0:
         raise StateError(
             "tree forward: the model never asked its caches for an attention mask, so the "
             "tree mask could not be applied; verify linearly instead"
@@ -291,19 +304,19 @@ def _known_names() -> list[str]:
 
 
 def _checked_caches(caches: list[Any]) -> list[Any]:
-    """The dense KV caches; refuse every cache a tree forward cannot serve exactly."""
-    dense = []
+    """The attention caches; refuse every cache a tree forward cannot serve exactly."""
+    attention = []
     for c in _flat(caches):
-        if type(c) in _DENSE:
-            dense.append(c)
+        if type(c) in _ATTENTION:
+            attention.append(c)
         elif not isinstance(c, ArraysCache):
             raise StateError(
                 f"tree forward: a layer has a {type(c).__name__}; tree verification supports "
-                "dense KV caches (KVCache, BatchKVCache) and kvstate's known recurrent layers. "
-                "Sliding-window, quantized and chunked caches: verify linearly or as a batch "
-                "of paths (verify_paths) instead"
+                "KVCache, BatchKVCache, RotatingKVCache (unpadded sliding windows) and "
+                "kvstate's known recurrent layers. Batched sliding-window, quantized and "
+                "chunked caches: verify linearly or as a batch of paths (verify_paths) instead"
             )
-    return dense
+    return attention
 
 
 def _flat(caches: list[Any]) -> Iterator[Any]:
@@ -315,27 +328,33 @@ def _flat(caches: list[Any]) -> Iterator[Any]:
 
 
 @contextmanager
-def _masked(dense: list[Any], tree: Tree) -> Iterator[None]:
-    """Every dense cache answers `make_mask` with the tree mask (an instance attribute over
+def _masked(attention: list[Any], tree: Tree) -> Iterator[None]:
+    """Every attention cache answers `make_mask` with the tree mask (an instance attribute over
     the class's method; the caches are this forward's own objects)."""
-    for cache in dense:
+    for cache in attention:
         cache.make_mask = _tree_mask(cache, type(cache).make_mask, tree)
     try:
         yield
     finally:
-        for cache in dense:
+        for cache in attention:
             cache.__dict__.pop("make_mask", None)
 
 
 def _tree_mask(cache: Any, make_mask: Callable[..., Any], tree: Tree) -> Callable[..., Any]:
     def mask(n: int, *args: Any, window_size: int | None = None, **kwargs: Any) -> mx.array:
-        if window_size is not None:
-            raise StateError(
-                f"tree forward: a sliding-window mask (window {window_size}) over a dense "
-                "cache is not supported; verify linearly instead"
-            )
         if n != tree.size:
             raise StateError(f"tree forward: a mask for {n} tokens, the tree has {tree.size}")
+        if isinstance(cache, RotatingKVCache):
+            # _update_concat keeps the last max_size - 1 entries before the new ones.
+            prefix = min(cache.max_size - 1, cache.offset)
+            return tree.window_mask(prefix, window_size or cache.max_size)
+        if window_size is not None:
+            if not isinstance(cache.offset, int):
+                raise StateError(
+                    "tree forward: a sliding-window mask over a left-padded cache is not "
+                    "supported; verify linearly instead"
+                )
+            return tree.window_mask(cache.offset, window_size)
         kwargs.pop("return_array", None)
         return tree.mask(make_mask(cache, n, return_array=True, window_size=None, **kwargs))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvstate as ks
+from kvstate._rotating import temporal
 from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
@@ -18,7 +19,17 @@ from kvstate.testing import assert_states_equal, frozen_copy
 from tests.helpers import greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
-MODELS = ["llama", "qwen3", "qwen3_next", "mamba2", "nemotron_h", "falcon_h1", "lfm2"]
+# gemma3_text: sliding windows of 8 that wrap (11-token prompt, trees of up to 10 tokens).
+MODELS = [
+    "llama",
+    "qwen3",
+    "gemma3_text",
+    "qwen3_next",
+    "mamba2",
+    "nemotron_h",
+    "falcon_h1",
+    "lfm2",
+]
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 # Branching at depths 0, 1 and 2: node i's parent is PARENTS[i] (-1: a child of `last`).
@@ -51,6 +62,14 @@ def assert_same_context(got, want, m, probe: list[int]) -> None:
                 for u, v in ((x.keys, y.keys), (x.values, y.values)):
                     np.testing.assert_allclose(
                         np.array(u[..., : x.length, :]), np.array(v[..., : y.length, :]), **TOL
+                    )
+            elif isinstance(x, ks.RotatingKV):
+                # The window's entries oldest first; compare what both still hold.
+                assert x.offset == y.offset, i
+                for u, v in zip(temporal(x), temporal(y), strict=True):
+                    n = min(u.shape[2], v.shape[2])
+                    np.testing.assert_allclose(
+                        np.array(u[..., -n:, :]), np.array(v[..., -n:, :]), **TOL
                     )
             else:
                 for u, v in zip(x.arrays, y.arrays, strict=True):
@@ -103,7 +122,7 @@ def test_the_commit_is_a_linear_verify_of_the_chosen_path(name):
         assert_same_context(verdict.state, want, m, truth[4:8])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "nemotron_h"])
 def test_a_single_chain_and_an_all_rejected_tree(name):
     """A chain is a linear verify (all three drafts right: all kept); a tree whose roots are
     all wrong keeps only `last`, and emits the target's own next token."""
@@ -167,9 +186,10 @@ def test_bad_states_and_layers_are_refused(monkeypatch):
         verify_tree(m, state, truth[0], [VOCAB], [-1])
     with pytest.raises(ks.StateError, match="parents"):
         m.tree_forward(mx.array([[1, 2]]), state, [-1, 1])
-    gemma = wrap(tiny_model("gemma3_text"))  # sliding-window layers
-    with pytest.raises(ks.StateError, match="RotatingKVCache"):
-        verify_tree(gemma, gemma(mx.array([PROMPT]), gemma.init_state())[1], 1, [2], [-1])
+    gemma = wrap(tiny_model("gemma3_text"))  # a row of a batch: batched sliding windows
+    batch = gemma([PROMPT, PROMPT], gemma.init_state(2))[1]
+    with pytest.raises(ks.StateError, match="BatchRotatingKVCache"):
+        verify_tree(gemma, ks.row_select(batch, 1), 1, [2], [-1])
     monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
     hybrid = wrap(tiny_model("qwen3_next"))  # its recurrent layer is now one kvstate can't follow
     with pytest.raises(ks.StateError, match="not ones kvstate records"):

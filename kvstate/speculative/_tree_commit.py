@@ -3,9 +3,11 @@
 A tree forward appended its T tokens to every attention layer in input order, and left in
 each recurrent layer the state after its last input. Keeping the path at input positions
 `kept` (0 first, increasing) means:
-- dense KV layers: gather the path's keys and values into place (positions start + i), then
-  trim to the path's length (`commit_prefix`); the keys carry their RoPE at their depth, which
-  is their final position;
+- KV layers (dense, and unpadded sliding windows, which a multi-token forward leaves in
+  temporal order with its tokens last): gather the path's keys and values into place
+  (positions start + i), then `commit_prefix` to the path's length (a window rebuilds from
+  the state before the forward); the keys carry their RoPE at their depth, which is their
+  final position;
 - recurrent layers: the checkpoint after the path's last position (the tree forward's
   checkpoints are indexed by input position, entry t = after position t - 1).
 """
@@ -21,6 +23,7 @@ from .._checkpoints import checkpoint_at, problem
 from .._dense import DenseKV
 from .._errors import ShapeError, StateError
 from .._recurrent import RecurrentState
+from .._rotating import RotatingKV
 from .._transforms import commit_prefix
 from .._tree import replace
 from ..kinds import Composite, with_parts
@@ -42,20 +45,26 @@ def _commit(state: Any, kept: tuple[int, ...], checkpoints: Any) -> Any:
             )
         pairs = zip(parts, per_part, strict=True)
         return with_parts(state, tuple(_commit(p, kept, c) for p, c in pairs))
-    if isinstance(state, DenseKV):
-        return _commit_dense(state, kept)
+    if isinstance(state, (DenseKV, RotatingKV)):
+        return _commit_attention(state, kept)
     if isinstance(state, RecurrentState):
         return _commit_recurrent(state, kept, checkpoints)
     raise StateError(
         f"tree commit: a {type(state).__name__} layer cannot keep a tree path (supported: "
-        "DenseKV and RecurrentState layers)"
+        "DenseKV, unpadded RotatingKV and RecurrentState layers)"
     )
 
 
-def _commit_dense(state: DenseKV, kept: tuple[int, ...]) -> DenseKV:
+def _commit_attention(state: DenseKV | RotatingKV, kept: tuple[int, ...]) -> Any:
     if state.keys is None or state.values is None:
-        raise StateError("tree commit: a dense KV layer holds nothing; run the tree forward first")
-    start = state.length - state.appended
+        raise StateError("tree commit: a KV layer holds nothing; run the tree forward first")
+    if isinstance(state, RotatingKV):
+        if state.left_padding is not None:
+            raise StateError("tree commit: a batched sliding window cannot keep a tree path")
+        # A multi-token forward leaves the window in temporal order, its tokens last.
+        start = int(state.keys.shape[2]) - state.appended
+    else:
+        start = state.length - state.appended
     if list(kept) != list(range(len(kept))):  # the path is not already in place
         index = mx.array([start + q for q in kept], mx.int32)
         moved = [mx.take(a, index, axis=2) for a in (state.keys, state.values)]
