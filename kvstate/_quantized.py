@@ -249,7 +249,7 @@ def _(state: QuantizedKV) -> int:
 
 @config_of.register
 def _(state: QuantizedKV) -> dict[str, Any]:
-    statics = {
+    statics: dict[str, Any] = {
         "key_bits": state.key_bits,
         "value_bits": state.value_bits,
         "key_group_size": state.key_group_size,
@@ -460,7 +460,14 @@ def quantize(
         f"quantize: rotation={rotation!r}, seed={seed!r}; use a rotation in {list(ROTATIONS)} "
         "and an int seed",
     )
-    empty = QuantizedKV(rotation=rotation, seed=int(seed), **{k: int(v) for k, v in spec.items()})
+    empty = QuantizedKV(
+        key_bits=int(spec["key_bits"]),
+        value_bits=int(spec["value_bits"]),
+        key_group_size=int(spec["key_group_size"]),
+        value_group_size=int(spec["value_group_size"]),
+        rotation=rotation,
+        seed=int(seed),
+    )
     if isinstance(state, DenseKV):
         return _quantize_dense(state, empty)
     require(
