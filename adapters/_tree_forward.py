@@ -81,6 +81,8 @@ class Tree:
         ]
         order = [q for level in self.levels for q in level]
         self.reorder = None if order == list(range(self.size)) else _inverse(order)
+        self.is_chain = all(len(level) == 1 for level in self.levels)
+        self.ropes_called = 0
         self.masks_made = 0
         self._windows: dict[int, mx.array] = {}
 
@@ -162,6 +164,8 @@ class Tree:
         inputs, such as `gated_delta_steps`) run so that token q starts from its parent's
         state: one call per depth level, the level's tokens as its batch rows.
         Returns y (1, T, ...) and the state after every token (1, T, ...)."""
+        if self.is_chain:  # one pass, as a linear capture runs it
+            return steps(*per_token, state, mask)
         ys: list[mx.array] = []
         kept: list[mx.array] = []
         after: dict[int, mx.array] = {}
@@ -213,6 +217,7 @@ def _tree_rope(cls: type) -> type:
                 )
             # (1, H, T, D) -> (T, H, 1, D): one batch row per token, offset + depth each.
             positions = tree.depths + offset
+            tree.ropes_called += 1
             out = cls.__call__(self, x.swapaxes(0, 2), positions, *args, **kw)
             return out.swapaxes(0, 2)
 
@@ -270,10 +275,11 @@ def tree_run(
     tree = Tree(parents)
     caches = [to_cache(layer) for layer in state.layers]
     attention = _checked_caches(caches)
+    ropes = _rope_modules(model)
     width = tokens.shape[1]
     with ExitStack() as scope:
         scope.enter_context(_masked(attention, tree))
-        scope.enter_context(_positioned(_rope_modules(model), tree))
+        scope.enter_context(_positioned(ropes, tree))
         records = scope.enter_context(recording(mixers, caches))
         for record in records:
             record.tree = tree
@@ -282,6 +288,11 @@ def tree_run(
         raise StateError(
             "tree forward: the model never asked its caches for an attention mask, so the "
             "tree mask could not be applied; verify linearly instead"
+        )
+    if ropes and tree.ropes_called == 0:
+        raise StateError(
+            "tree forward: the model has rope modules but none was called with the tree's "
+            "tokens, so their positions may come from elsewhere; verify linearly instead"
         )
     unknown = [r for r in records if not r.complete()]
     if unknown:
