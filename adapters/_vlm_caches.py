@@ -10,7 +10,7 @@ update_and_fetch / trim / make_mask / filter / extend / extract against the stat
     ArraysCache                                -> RecurrentState
     CacheList                                  -> ListState
     ChunkedKVCache                             -> ChunkedKV
-    QuantizedKVCache                           -> QuantizedKV
+    QuantizedKVCache, BatchQuantizedKVCache    -> QuantizedKV
 
 mlx-vlm's ArraysCache reads `left_padding` / `lengths` through properties that subtract an
 `advance` counter (its `advance()` no longer edits the arrays in place): the state takes the
@@ -149,6 +149,36 @@ def _(cache: vlm.ChunkedKVCache, appended: int = 0) -> ChunkedKV:
 _FROM[vlm.QuantizedKVCache] = _FROM[lm.QuantizedKVCache]
 
 
+def _triple(q: Any) -> Any:
+    if q is None:
+        return None
+    packed, scales, biases = q
+    return (fresh(packed), fresh(scales), fresh(biases))
+
+
+@register_from(vlm.BatchQuantizedKVCache)
+def _(cache: vlm.BatchQuantizedKVCache, appended: int = 0) -> QuantizedKV:
+    # mlx-vlm's BatchKVCache with quantized triples: left padding, offset == _idx - padding.
+    right_padding = getattr(cache, "_right_padding", None)
+    if right_padding is not None:
+        raise StateError(
+            "from_mlx_vlm: this BatchQuantizedKVCache is between prepare() and finalize() "
+            f"(_right_padding = {right_padding.tolist()}); call cache.finalize() after the "
+            "padded prompt forward, then convert"
+        )
+    return QuantizedKV(
+        _triple(cache.keys),
+        _triple(cache.values),
+        fresh(cache.left_padding),
+        length=cache._idx,
+        appended=appended,
+        key_bits=cache.bits,
+        value_bits=cache.bits,
+        key_group_size=cache.group_size,
+        value_group_size=cache.group_size,
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # state -> cache
 # ---------------------------------------------------------------------------------------
@@ -239,6 +269,8 @@ def _(state: ChunkedKV) -> Any:
 
 @to_vlm_cache.register
 def _(state: QuantizedKV) -> Any:
+    if state.left_padding is not None:
+        return _batch_quantized(state)
     made = to_cache(state)
     if type(made) is not lm.QuantizedKVCache:
         raise StateError(
@@ -250,6 +282,29 @@ def _(state: QuantizedKV) -> Any:
     cache = vlm.QuantizedKVCache(group_size=made.group_size, bits=made.bits)
     cache.keys, cache.values, cache.offset = made.keys, made.values, made.offset
     return cache
+
+
+def _batch_quantized(state: QuantizedKV) -> Any:
+    plain = (state.key_pad, state.value_pad, state.rotation) == (0, 0, "none")
+    if not plain or (state.key_bits, state.key_group_size) != (
+        state.value_bits,
+        state.value_group_size,
+    ):
+        raise StateError(
+            "to_mlx_vlm: mlx-vlm's BatchQuantizedKVCache has one bits and group_size for keys "
+            "and values and no padded channels or rotation; this QuantizedKV has "
+            f"key_bits={state.key_bits}, value_bits={state.value_bits}, key_group_size="
+            f"{state.key_group_size}, value_group_size={state.value_group_size}, key_pad="
+            f"{state.key_pad}, value_pad={state.value_pad}, rotation={state.rotation!r}"
+        )
+    padding = fresh(state.left_padding)
+    batch = vlm.BatchQuantizedKVCache.__new__(vlm.BatchQuantizedKVCache)
+    batch.keys, batch.values = _triple(state.keys), _triple(state.values)
+    batch.left_padding, batch.offset = padding, state.length - padding
+    batch._idx = state.length
+    batch.group_size, batch.bits = state.key_group_size, state.key_bits
+    batch._right_padding = None
+    return batch
 
 
 # A capturing forward finds mlx-vlm's recurrent caches as it finds mlx-lm's.

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -93,7 +94,14 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "CacheList": lambda lib: lib.CacheList(fed(lib.KVCache(), [4]), arrays_cache(lib)),
     "ChunkedKVCache": lambda lib: fed(lib.ChunkedKVCache(4), [3, 1]),
     "QuantizedKVCache": lambda lib: fed(lib.QuantizedKVCache(group_size=32, bits=4), [3, 1]),
+    "BatchQuantizedKVCache": lambda lib: batch_quantized([1, 0], [3, 1]),
 }
+ONLY_MLX_VLM = {"BatchQuantizedKVCache"}  # mlx-lm has no such class
+
+
+def batch_quantized(left_padding: list[int], sizes: list[int], seed: int = 0) -> Any:
+    cache = V.BatchQuantizedKVCache(left_padding, group_size=32, bits=4)
+    return fed(cache, sizes, batch=len(left_padding), seed=seed)
 
 
 def _np(x: Any) -> Any:
@@ -158,6 +166,8 @@ def test_round_trip_gives_the_same_class_and_content(case):
 
 
 def test_state_from_mlx_vlm_equals_state_from_mlx_lm(case):
+    if case in ONLY_MLX_VLM:
+        pytest.skip("mlx-lm has no such class")
     assert_states_equal(from_mlx_vlm(CASES[case](V)), from_mlx_lm(CASES[case](L)))
     # and back: each library gets its own classes
     state = from_mlx_vlm(CASES[case](V))
@@ -200,6 +210,7 @@ TRIMMABLE: dict[str, Callable[[], Any]] = {
     "BatchKVCache": lambda: batch_dense(V, 1),
     "ChunkedKVCache": lambda: fed(V.ChunkedKVCache(16), [3]),
     "QuantizedKVCache": lambda: fed(V.QuantizedKVCache(group_size=32, bits=4), [3, 1]),
+    "BatchQuantizedKVCache": lambda: batch_quantized([2, 0], [3]),
 }
 
 
@@ -245,6 +256,31 @@ def test_batch_methods_equal_kvstate_transforms(kind):
     batch.filter(mx.array([1, 2]))
     merged = ks.filter(merged, [1, 2])
     assert_same(observed(to_mlx_vlm(merged)), observed(batch), "filter")
+
+
+def test_batch_quantized_methods_equal_kvstate_transforms():
+    """mlx-vlm's BatchQuantizedKVCache extend / extract / filter == kvstate's on QuantizedKV
+    (content and bookkeeping; kvstate's extend leaves no spare capacity)."""
+    batch = batch_quantized([2, 0], [3, 1])
+    other = batch_quantized([0], [6], seed=7)
+    state = ks.extend(from_mlx_vlm(batch), from_mlx_vlm(other))
+    batch.extend(other)
+    assert_same(observed(to_mlx_vlm(state))[:3], observed(batch)[:3], "extend")
+    for row in range(3):
+        assert_same(
+            observed(to_mlx_vlm(ks.extract(state, row)))[:3],
+            observed(batch.extract(row))[:3],
+            "extract",
+        )
+    batch.filter(mx.array([0, 2]))
+    state = ks.filter(state, [0, 2])
+    assert_same(observed(to_mlx_vlm(state))[:3], observed(batch)[:3], "filter")
+
+
+def test_batch_quantized_keys_and_values_of_other_bits_have_no_mlx_vlm_class():
+    state = from_mlx_vlm(batch_quantized([1, 0], [3]))
+    with pytest.raises(ks.StateError, match="one bits and group_size"):
+        to_mlx_vlm(attrs.evolve(state, value_bits=8))
 
 
 @pytest.mark.parametrize("steps", [1, 5])
