@@ -25,7 +25,7 @@ import kvstate as ks
 from kvstate import distributed
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate.speculative import Proposal, Sampler, generate
+from kvstate.speculative import Proposal, Sampler, generate, verify_paths
 from kvstate.testing import assert_states_allclose, assert_states_equal
 
 NEW = 16
@@ -150,6 +150,14 @@ def check_model(name: str, group: Any, out: str, found: dict[str, Any]) -> None:
     found["speculative_rounds"] = seen
     found["speculative_tokens"] = by_row(seen, len(PROMPTS))
     found["truth"] = [t[:NEW] for t in truth]
+    # Tree verification as a batch of paths: the same verdict as the whole model's.
+    paths = [truth[0][1:4], [truth[0][1], 5, 6], [9, 9]]
+    verdicts = []
+    for model in (m, w):
+        _, start = model([PROMPTS[0]], model.init_state())
+        v = verify_paths(model, start, truth[0][0], paths)
+        verdicts.append([v.path, v.accepted, v.tokens])
+    found["paths"] = verdicts
 
     # States: every rank saves its own; any rank gathers them all into the whole model's.
     mine = verify_round(m)

@@ -116,6 +116,8 @@ def test_speculative_decoding_of_a_ragged_batch_matches_and_commits_alike(ranks,
     for s in (r0, r1):
         assert s["speculative_tokens"] == s["truth"]
     assert r0["speculative_rounds"] == r1["speculative_rounds"]
+    for s in (r0, r1):  # verify_paths picks the whole model's path (the first, 3 accepted)
+        assert s["paths"][0] == s["paths"][1] == [0, 3, s["truth"][0][1:5]]
     drafted = [t for r in r0["speculative_rounds"] for t in r if t[2]]
     plain = [t for r in r0["speculative_rounds"] for t in r if not t[2]]
     assert drafted and plain  # some drafts accepted, some rejected

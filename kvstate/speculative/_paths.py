@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
+from .. import distributed
 from .._errors import StateError, TokenError
 from .._transforms import batch_size, commit_prefix, row_select, tile
 from .._tree import tree_map
@@ -44,6 +45,9 @@ def verify_paths(target: Any, state: Any, last: int, paths: Sequence[Sequence[in
     agree = (best[:, :width] == drafts) & (mx.arange(width)[None] < lengths[:, None])
     accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(1)
     counts = cast(list[int], accepted.tolist())
+    group = distributed.group_of(target)  # a split model: every rank must pick the same path
+    if group is not None:
+        counts = distributed.agree(counts, group, what="verify_paths: the accepted counts")
     winner = max(range(len(paths)), key=lambda p: counts[p])  # the first of the longest
     count = counts[winner]
     chosen = row_select(verified, winner)
