@@ -166,6 +166,10 @@ class Tree:
         Returns y (1, T, ...) and the state after every token (1, T, ...)."""
         if self.is_chain:  # one pass, as a linear capture runs it
             return steps(*per_token, state, mask)
+        # Carry float32 between levels, as a linear pass carries it between tokens (mlx-lm's
+        # float32 gates promote a bf16 state); hand back the states in the state's dtype.
+        dtype = None if state is None else state.dtype
+        state = None if state is None else state.astype(mx.float32)
         ys: list[mx.array] = []
         kept: list[mx.array] = []
         after: dict[int, mx.array] = {}
@@ -185,6 +189,8 @@ class Tree:
         y_all, states_all = mx.concatenate(ys), mx.concatenate(kept)
         if self.reorder is not None:
             y_all, states_all = y_all[self.reorder], states_all[self.reorder]
+        if dtype is not None and states_all.dtype != dtype:
+            states_all = states_all.astype(dtype)
         return y_all[None], states_all[None]
 
 
