@@ -6,9 +6,10 @@ relative error ||x^ - x|| / ||x||, and attention-output relative error of
 K/V and on K/V with 4 channels scaled x10, shape (1, 8, 1024, 128), 16 Gaussian queries.
 Part 2: next-token KL(fp16 || quantized) and top-1 agreement against an fp16 dense state on
 a random-init llama (float16, head_dim 128), teacher-forced over 48 tokens after a 256-token
-prompt. Part 3: decode-step time of the wrapped model with an asymmetric K5/V3 state against
-mlx-lm's QuantizedKVCache at 4 bits (equal memory: 8 bits per key+value pair, same scales),
-interleaved, with the paired ratio (float32: the CPU has no fast float16).
+prompt. Part 3: decode-step time of the wrapped model with asymmetric states against mlx-lm's
+QuantizedKVCache at equal memory (K5/V3 vs 4 bits, K8/V4 vs 6, K4/V2 vs 3: the same bits per
+key+value pair, same scales), interleaved, with the paired ratio (float32: the CPU has no
+fast float16).
 
     python benchmarks/quantized_quality.py [--context 1024] [--steps 24] [--reps 5]
         [--parts quality,model,decode]
@@ -114,6 +115,13 @@ def model_rows() -> None:
         print(f"| {name} | {kl:.5f} | {top1:.3f} |", flush=True)
 
 
+PAIRS = [  # (kvstate's asymmetric options, mlx-lm's bits): the same bits per key+value pair
+    ({"key_bits": 5, "value_bits": 3}, 4),
+    ({"key_bits": 8, "value_bits": 4}, 6),
+    ({"key_bits": 4, "value_bits": 2}, 3),
+]
+
+
 def decode_rows(context: int, steps: int, reps: int) -> None:
     model = tiny_model(
         "llama",
@@ -129,18 +137,18 @@ def decode_rows(context: int, steps: int, reps: int) -> None:
     ks.eval(dense)
     token = mx.array([[7]])
 
-    def ours() -> float:
-        state = ks.eval(ks.quantize(dense, key_bits=5, value_bits=3, group_size=64))
+    def ours(options: dict[str, int]) -> float:
+        state = ks.eval(ks.quantize(dense, group_size=64, **options))
         start = time.perf_counter()
         for _ in range(steps):
             logits, state = m(token, state)
             mx.eval(logits, ks.tree_flatten(state)[0])
         return (time.perf_counter() - start) / steps
 
-    def theirs() -> float:
+    def theirs(bits: int) -> float:
         caches = make_prompt_cache(model)
         model(prompt, cache=caches)
-        caches = [c.to_quantized(group_size=64, bits=4) for c in caches]
+        caches = [c.to_quantized(group_size=64, bits=bits) for c in caches]
         mx.eval([a for c in caches for a in (*c.keys, *c.values)])
         start = time.perf_counter()
         for _ in range(steps):
@@ -148,19 +156,28 @@ def decode_rows(context: int, steps: int, reps: int) -> None:
             mx.eval(logits, [a for c in caches for a in (*c.keys, *c.values)])
         return (time.perf_counter() - start) / steps
 
-    ours(), theirs()  # warm up (routing, compilation of kernels)
-    pairs = []
-    for r in range(reps):
-        a, b = (ours(), theirs()) if r % 2 == 0 else tuple(reversed((theirs(), ours())))
-        pairs.append((a, b))
-        print(f"rep {r}: kvstate K5/V3 {a * 1e3:.2f} ms/step, mlx-lm 4-bit {b * 1e3:.2f} ms/step")
-    ratio = statistics.median(b / a for a, b in pairs)
-    print(
-        f"\ndecode step, context {context}: kvstate K5/V3 "
-        f"{statistics.median(a for a, _ in pairs) * 1e3:.2f} ms, mlx-lm QuantizedKVCache 4-bit "
-        f"{statistics.median(b for _, b in pairs) * 1e3:.2f} ms; throughput ratio "
-        f"(kvstate / mlx-lm) {ratio:.2f}x (median of {reps} paired reps)"
-    )
+    print(f"\ndecode step, context {context}, {steps} steps per rep, float32")
+    print("| kvstate | mlx-lm | kvstate ms/step | mlx-lm ms/step | throughput ratio |")
+    print("|---|---|---|---|---|")
+    for options, bits in PAIRS:
+        ours(options), theirs(bits)  # warm up (routing, first allocations)
+        pairs = []
+        for r in range(reps):
+            if r % 2 == 0:
+                a = ours(options)
+                b = theirs(bits)
+            else:
+                b = theirs(bits)
+                a = ours(options)
+            pairs.append((a, b))
+        ratio = statistics.median(b / a for a, b in pairs)
+        name = f"K{options['key_bits']}/V{options['value_bits']}"
+        print(
+            f"| {name} | {bits}-bit | {statistics.median(a for a, _ in pairs) * 1e3:.2f} | "
+            f"{statistics.median(b for _, b in pairs) * 1e3:.2f} | {ratio:.2f}x |",
+            flush=True,
+        )
+    print(f"(ratio: median over {reps} paired reps of mlx-lm time / kvstate time)")
 
 
 def main() -> None:

@@ -104,20 +104,37 @@ def _(state: DenseKV, counts: tuple[int, ...], checkpoints: Any) -> DenseKV:
 
 
 def _commit_ragged(state: DenseKV, counts: tuple[int, ...]) -> DenseKV:
-    """Rows keep different counts. Rather than shifting every row's context right (O(context)),
-    move each row's *oldest* `d` tokens into the `d`-token hole its rejected tokens left, and
-    grow its left padding by `d`. Keys carry their RoPE already, so attention does not
-    depend on where in the buffer a key sits: the cost is O(max rejected), not O(context).
-    (Models whose masks depend on buffer positions, a KVCache under `window_size`, need
-    uniform counts.)
-    """
     assert state.keys is not None and state.values is not None
+    (keys, values), left_padding, length = commit_ragged(
+        [state.keys, state.values], state.left_padding, state.length, state.appended, counts
+    )
+    return replace(
+        state, keys=keys, values=values, left_padding=left_padding, length=length, appended=0
+    )
+
+
+def commit_ragged(
+    buffers: list[mx.array],
+    left_padding: mx.array | None,
+    length: int,
+    appended: int,
+    counts: tuple[int, ...],
+) -> tuple[list[mx.array], mx.array, int]:
+    """Rows keep different counts of the last `appended` positions of (B, H, T, ...) buffers
+    that share rows and positions (a DenseKV's keys and values, a QuantizedKV's triples).
+    Rather than shifting every row's context right (O(context)), move each row's *oldest*
+    `d` tokens into the `d`-token hole its rejected tokens left, and grow its left padding
+    by `d`. Keys carry their RoPE already, so attention does not depend on where in the
+    buffer a key sits: the cost is O(max rejected), not O(context). (Models whose masks
+    depend on buffer positions, a KVCache under `window_size`, need uniform counts.)
+    Returns (buffers, left padding, length).
+    """
     batch = len(counts)
-    start = state.length - state.appended
+    start = length - appended
     new_length = start + max(counts)
     holes = mx.array([max(counts) - c for c in counts], mx.int32)  # d per row
     ends = start + mx.array(counts, mx.int32)  # end of each row's valid tokens
-    lp = padding_or_zeros(state.left_padding, batch)
+    lp = padding_or_zeros(left_padding, batch)
     moved = mx.minimum(holes, ends - lp)  # a row may hold fewer tokens than its hole
     width = max(max(counts) - c for c in counts)
     j = mx.arange(width, dtype=mx.int32)[None, :]
@@ -125,24 +142,18 @@ def _commit_ragged(state: DenseKV, counts: tuple[int, ...]) -> DenseKV:
     dest = new_length - width + j
     src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
     index = src[:, None, :, None]
-    moving = [mx.take_along_axis(a, index, axis=2) for a in (state.keys, state.values)]
+    moving = [mx.take_along_axis(a, index, axis=2) for a in buffers]
     # Evaluate the small moved blocks now: while a gather of the buffer is still pending, MLX
     # cannot write into that buffer in place, and the write would copy the whole context.
     mx.eval(moving)
 
     def fill(a: mx.array, block: mx.array) -> mx.array:
-        out = a[...]  # a fresh object: the assignment must not reach `state`
+        out = a[...]  # a fresh object: the assignment must not reach the input state
         out[..., new_length - width : new_length, :] = block
         return out
 
-    return replace(
-        state,
-        keys=fill(state.keys, moving[0]),
-        values=fill(state.values, moving[1]),
-        left_padding=lp + holes,
-        length=new_length,
-        appended=0,
-    )
+    filled = [fill(a, block) for a, block in zip(buffers, moving, strict=True)]
+    return filled, lp + holes, new_length
 
 
 @take_rows.register

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import DenseKV, padding_or_zeros, used
+from ._dense import DenseKV, commit_ragged, padding_or_zeros, used
 from ._errors import ConfigMismatchError, StateError, require
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._rotating import RotatingKV
@@ -276,42 +276,6 @@ def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> Quantize
         _arrays(state), state.left_padding, state.length, state.appended, counts
     )
     return _with_arrays(state, arrays, left_padding=left_padding, length=length, appended=0)
-
-
-def commit_ragged(
-    arrays: list[mx.array],
-    left_padding: mx.array | None,
-    length: int,
-    appended: int,
-    counts: tuple[int, ...],
-) -> tuple[list[mx.array], mx.array, int]:
-    """DenseKV's ragged commit for any (B, H, T, ...) buffers that share rows and positions:
-    each row's oldest `d` tokens move into the `d`-token hole its rejected tokens left, and
-    its left padding grows by `d` (O(max rejected), not O(context); attention does not
-    depend on where a key sits). Returns (buffers, left padding, length)."""
-    batch = len(counts)
-    start = length - appended
-    new_length = start + max(counts)
-    holes = mx.array([max(counts) - c for c in counts], mx.int32)
-    ends = start + mx.array(counts, mx.int32)
-    lp = padding_or_zeros(left_padding, batch)
-    moved = mx.minimum(holes, ends - lp)  # a row may hold fewer tokens than its hole
-    width = max(max(counts) - c for c in counts)
-    j = mx.arange(width, dtype=mx.int32)[None, :]
-    skip = width - moved[:, None]  # positions left of `skip` copy onto themselves
-    dest = new_length - width + j
-    src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
-    index = src[:, None, :, None]
-    moving = [mx.take_along_axis(a, index, axis=2) for a in arrays]
-    mx.eval(moving)  # see DenseKV: a pending gather would make the write copy the buffer
-
-    def fill(a: mx.array, block: mx.array) -> mx.array:
-        out = a[...]  # a fresh object: the assignment must not reach the input state
-        out[..., new_length - width : new_length, :] = block
-        return out
-
-    filled = [fill(a, b) for a, b in zip(arrays, moving, strict=True)]
-    return filled, lp + holes, new_length
 
 
 # ---------------------------------------------------------------------------- rows

@@ -295,3 +295,56 @@ def test_rotations_and_pads_survive_save_and_load(tmp_path):
     other_seed = ks.quantize(dense, rotation="so4", **{**OPTIONS, "seed": 4})
     c, _ = m(mx.array([[9, 10]]), other_seed)
     assert not np.allclose(np.array(a), np.array(c))  # the seed is what the file restores
+
+
+def test_files_of_the_one_bits_quantized_kv_still_load(tmp_path):
+    """A file written before keys and values had their own bits (statics length, group_size,
+    bits, appended; children keys, values) loads as the equal-bits state it was."""
+    import hashlib
+    import json
+
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.standard_normal((1, 2, 6, 64)).astype(np.float32))
+    state = ks.quantize(ks.DenseKV(k, k, length=6, appended=2), bits=4, group_size=64)
+    path = str(tmp_path / "old.safetensors")
+    ks.save(path, state)
+    tensors, header = mx.load(path, return_metadata=True)
+    doc = json.loads(header["kvstate.body"])
+    node = doc["tree"]
+    node["statics"] = {"length": 6, "group_size": 64, "bits": 4, "appended": 2}
+    del node["children"]["left_padding"]
+    header["kvstate.body"] = json.dumps(doc)
+    header["kvstate.sha256"] = hashlib.sha256(header["kvstate.body"].encode()).hexdigest()
+    mx.save_safetensors(path, tensors, header)
+    kvstate.testing.assert_states_equal(ks.load(path), state)
+
+    node["statics"]["bits"] = "four"  # an upgraded file is checked like any other
+    header["kvstate.body"] = json.dumps(doc)
+    header["kvstate.sha256"] = hashlib.sha256(header["kvstate.body"].encode()).hexdigest()
+    mx.save_safetensors(path, tensors, header)
+    with pytest.raises(ks.FileFormatError, match="key_bits"):
+        ks.load(path)
+
+
+def test_route_attention_is_per_instance_and_unrouted_models_refuse():
+    """mlx-lm's attention reading a QuantizedStateCache raises (instead of reading K4/V3
+    buffers at one bits); route_attention fixes that instance only, and leaves dense caches
+    to mlx-lm's own attention (identical logits)."""
+    from kvstate.adapters import route_attention
+
+    routed, plain = tiny_model("llama"), tiny_model("llama")
+    tokens = mx.array([[3, 17, 42, 99]])
+    dense_before = routed(tokens, cache=make_prompt_cache(routed))
+    state = quantized_state(wrap(routed), "hadamard")
+    with pytest.raises(ks.StateError, match="route_attention"):
+        routed(tokens, cache=to_mlx_lm(state))
+    assert route_attention(routed) is routed
+    logits = routed(tokens, cache=to_mlx_lm(state))
+    expected = routed(tokens, cache=oracle_caches(routed, "llama", "hadamard"))
+    np.testing.assert_allclose(np.array(logits), np.array(expected), atol=2e-3, rtol=1e-3)
+    np.testing.assert_array_equal(
+        np.array(routed(tokens, cache=make_prompt_cache(routed))), np.array(dense_before)
+    )
+    assert type(plain.layers[0].self_attn) is not type(routed.layers[0].self_attn)
+    with pytest.raises(ks.StateError, match="route_attention"):
+        plain(tokens, cache=to_mlx_lm(state))
