@@ -25,8 +25,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
 from kvstate import QuantizedKV, StateError, packed_width, quantized_attention
-from kvstate.quantization import is_mlx_lm_form, key_codec, value_codec, with_pads
 from kvstate.kinds import replace
+from kvstate.quantization import is_mlx_lm_form, key_codec, value_codec, with_pads
 
 from ._convert import fresh, register_from, to_cache
 
