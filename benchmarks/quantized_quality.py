@@ -12,7 +12,7 @@ key+value pair, same scales), interleaved, with the paired ratio (float32: the C
 fast float16).
 
     python benchmarks/quantized_quality.py [--context 1024] [--steps 24] [--reps 5]
-        [--parts quality,model,decode]
+        [--parts quality,model,kernels,decode]
 """
 
 from __future__ import annotations
@@ -180,12 +180,34 @@ def decode_rows(context: int, steps: int, reps: int) -> None:
     print(f"(ratio: median over {reps} paired reps of mlx-lm time / kvstate time)")
 
 
+def kernel_rows(context: int, reps: int = 50) -> None:
+    """What one decode step's two quantized matmuls cost per bits (8 heads x 128, one query):
+    the scores read keys with transpose=True, the output reads values with transpose=False."""
+    q = mx.random.normal((1, 8, 1, 128))
+    weights = mx.softmax(mx.random.normal((1, 8, 1, context)), axis=-1)
+    data = mx.random.normal((1, 8, context, 128))
+    print(f"\nmx.quantized_matmul, one query over {context} positions, group 64, ms per call")
+    print("| bits | scores (keys, transpose=True) | output (values, transpose=False) |")
+    print("|---|---|---|")
+    for bits in ks.quantization.BITS:
+        w = mx.quantize(data, group_size=64, bits=bits)
+        mx.eval(w)
+        times = []
+        for x, transpose in ((q, True), (weights, False)):
+            mx.eval(mx.quantized_matmul(x, *w, transpose=transpose, group_size=64, bits=bits))
+            start = time.perf_counter()
+            for _ in range(reps):
+                mx.eval(mx.quantized_matmul(x, *w, transpose=transpose, group_size=64, bits=bits))
+            times.append((time.perf_counter() - start) / reps)
+        print(f"| {bits} | {times[0] * 1e3:.2f} | {times[1] * 1e3:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--parts", default="quality,model,decode")
+    parser.add_argument("--parts", default="quality,model,kernels,decode")
     args = parser.parse_args()
     parts = args.parts.split(",")
     print(f"mlx {mx.__version__}, {mx.default_device()}, {platform.machine()}\n")
@@ -193,6 +215,8 @@ def main() -> None:
         quality_rows()
     if "model" in parts:
         model_rows()
+    if "kernels" in parts:
+        kernel_rows(args.context)
     if "decode" in parts:
         decode_rows(args.context, args.steps, args.reps)
 
