@@ -219,3 +219,17 @@ def test_a_row_of_a_ragged_batch_and_an_empty_state(name):
     logits, plain = m(mx.array([kept]), empty)
     assert verdict.tokens[-1] == int(logits[0, -1].argmax())
     assert_same_context(verdict.state, plain, m, [1, 2])
+
+
+def test_a_tree_deeper_than_the_sliding_window():
+    """gemma3_text's window is 8: a chain of 10 drafts with a branch at depth 9 sees, at its
+    deep nodes, only the last 8 positions of its own path (its first ancestors drop out)."""
+    model, m, state, truth = prefilled("gemma3_text")
+    parents = [-1, *range(9), 7]  # a chain of 10, and a sibling of the 9th node
+    tokens = [(t * 29 + 5) % VOCAB for t in range(len(parents))]
+    positions = [-1, *[p + 1 for p in parents]]
+    logits, _, _ = m.tree_forward([[truth[0], *tokens]], state, positions)
+    for q in range(len(positions)):
+        path = [truth[0]] + [tokens[i] for i in (_path(parents, q - 1) if q else [])]
+        (_, ref) = raw_logits(model, PROMPT + path, [len(PROMPT), len(path)])
+        np.testing.assert_allclose(np.array(logits[0, q]), ref[0, -1], **TOL, err_msg=f"{q}")
