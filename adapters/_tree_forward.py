@@ -50,6 +50,7 @@ from mlx_lm.models.cache import (
 from kvstate import ModelState, RecurrentState, StateError, StepStates
 from kvstate.kinds import as_int, record_forward
 
+from . import _buckets as buckets
 from ._capture import Mixer, Record, recording
 from ._convert import from_cache, to_cache
 from ._forward import _per_recurrent
@@ -103,12 +104,14 @@ class Tree:
 
     # -- attention -------------------------------------------------------------------------
 
-    def mask(self, causal: mx.array) -> mx.array:
-        """mlx-lm's causal mask (..., T, offset + T) restricted to each token's ancestors."""
+    def mask(self, causal: mx.array, prefix: int) -> mx.array:
+        """mlx-lm's causal mask (..., T, prefix + T [+ bucket padding, all False there])
+        restricted to each token's ancestors among the T new keys."""
         self.masks_made += 1
-        prefix = causal.shape[-1] - self.size
-        new = mx.concatenate([mx.ones((self.size, prefix), mx.bool_), self.ancestry()], 1)
-        return mx.logical_and(causal, new)
+        after = causal.shape[-1] - prefix - self.size
+        parts = [mx.ones((self.size, prefix), mx.bool_), self.ancestry()]
+        parts += [mx.ones((self.size, after), mx.bool_)] if after else []
+        return mx.logical_and(causal, mx.concatenate(parts, 1))
 
     def window_mask(self, prefix: int, window: int) -> mx.array:
         """(T, prefix + T): mlx-lm's sliding-window causal mask (`create_causal_mask` with
@@ -284,6 +287,8 @@ def tree_run(
     ropes = _rope_modules(model)
     width = tokens.shape[1]
     with ExitStack() as scope:
+        if buckets.enabled(width):  # first: the tree mask extends the bucketed one (CUDA)
+            scope.enter_context(buckets.bucketing(caches))
         scope.enter_context(_masked(attention, tree))
         scope.enter_context(_positioned(ropes, tree))
         records = scope.enter_context(recording(mixers, caches))
@@ -373,7 +378,9 @@ def _tree_mask(cache: Any, make_mask: Callable[..., Any], tree: Tree) -> Callabl
                 )
             return tree.window_mask(cache.offset, window_size)
         kwargs.pop("return_array", None)
-        return tree.mask(make_mask(cache, n, return_array=True, window_size=None, **kwargs))
+        causal = make_mask(cache, n, return_array=True, window_size=None, **kwargs)
+        # Keys before the forward: BatchKVCache's buffer index, else the offset.
+        return tree.mask(causal, cache._idx if isinstance(cache, BatchKVCache) else cache.offset)
 
     return mask
 

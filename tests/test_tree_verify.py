@@ -11,6 +11,7 @@ import pytest
 
 import kvstate as ks
 from kvstate._rotating import temporal
+from kvstate.adapters import _buckets as buckets
 from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
@@ -233,3 +234,17 @@ def test_a_tree_deeper_than_the_sliding_window():
         path = [truth[0]] + [tokens[i] for i in (_path(parents, q - 1) if q else [])]
         (_, ref) = raw_logits(model, PROMPT + path, [len(PROMPT), len(path)])
         np.testing.assert_allclose(np.array(logits[0, q]), ref[0, -1], **TOL, err_msg=f"{q}")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_bucketed_attention_keeps_the_tree_exact(name, monkeypatch):
+    """With CUDA's bucketed key lengths forced on (the attention runs over a padded key
+    length, its mask extended by False), the tree mask extends the bucketed one: same logits
+    at every node, same commit."""
+    padded = []
+    monkeypatch.setattr(buckets, "FORCE", True)
+    real = buckets._padded
+    monkeypatch.setattr(buckets, "_padded", lambda *a: padded.append(1) or real(*a))
+    test_every_node_gets_the_logits_of_a_linear_forward_of_its_path(name)
+    test_the_commit_is_a_linear_verify_of_the_chosen_path(name)
+    assert padded  # the bucketed masks were made
