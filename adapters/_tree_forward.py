@@ -17,6 +17,9 @@ the root-to-q path would compute at its end:
   on GPUs (one launch per level instead of one per forward), the ops path on the CPU. No
   new kernel: the parent pointers live in this module's gathers.
 
+On CUDA, dense caches attend over a bucketed key length (`_buckets`) as in any multi-token
+forward; the tree mask extends that bucketed mask.
+
 The checkpoints come back in the capture's structure (see `_capture`), indexed by input
 position: entry t of a recurrent array's checkpoint is its value after position t - 1 (t = 0:
 before the forward), as a plain array (conv windows) or `StepStates` (recurrences).
