@@ -102,9 +102,7 @@ def save(
     _write_atomically(os.fspath(path), arrays, header)
 
 
-def load(
-    path: str | os.PathLike[str], *, return_metadata: bool = False, group: Any = None
-) -> Any:
+def load(path: str | os.PathLike[str], *, return_metadata: bool = False, group: Any = None) -> Any:
     """Read a state written by `save`, or a prompt cache written by mlx-lm's
     `save_prompt_cache` (which gives a `ModelState`, built as `kvstate.adapters.from_mlx_lm` builds it).
 
