@@ -303,7 +303,7 @@ def _check_lengths(lengths: Sequence[int], shape: tuple[int, ...], capture: bool
 def wrap(model: nn.Module) -> WrappedModel:
     """A pure view of an mlx-lm model: `logits, state = wrap(model)(tokens, state)`.
     An mlx-vlm model gets `kvstate.adapters.vlm.wrap` (its caches, its language model)."""
-    if type(model).__module__.startswith("mlx_vlm."):
+    if any(c.__module__.startswith("mlx_vlm.") for c in type(model).__mro__):
         from .vlm import wrap as wrap_vlm  # imports mlx_vlm, which this model already did
 
         return wrap_vlm(model)

@@ -362,3 +362,12 @@ def test_what_is_not_available_for_mlx_vlm_models_says_so(llava):
         m(mx.array([[1, 2]]), m.init_state(), hidden=True)
     with pytest.raises(ks.StateError, match="tree_forward"):
         m.tree_forward(mx.array([[1, 2]]), m.init_state(), [-1, 0])
+
+
+def test_a_subclass_of_an_mlx_vlm_model_is_wrapped_as_one(llava):
+    class Mine(type(llava)):  # defined outside mlx_vlm
+        pass
+
+    mine = Mine(llava.config)
+    mine.update(llava.parameters())
+    assert isinstance(wrap(mine), VLMWrappedModel)
