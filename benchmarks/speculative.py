@@ -1,24 +1,30 @@
 """kvstate's speculative generator against mlx-lm's `speculative_generate_step` and plain
 greedy decoding, on the same models and drafts; rows printed as measured.
 
-The draft model is the target with its weights perturbed by 1% (random-init models have no
-genuinely smaller model that predicts them), so acceptance is high and a draft forward costs
-what a target forward costs: what matters is kvstate / mlx-lm on identical work. Both
-generators' tokens are compared too (greedy: they must be equal).
+The draft model is the target with its weights perturbed (random-init models have no
+genuinely smaller model that predicts them), so acceptance is partial and a draft forward
+costs what a target forward costs: what matters is kvstate / mlx-lm on identical work.
+Every run's tokens are checked equal to plain greedy decoding (both generators).
 
-    .venv/bin/python benchmarks/speculative.py [--large] [--tokens 64]
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/speculative.py --large   # on the H200
+Contenders are timed interleaved (one run of each per repetition, rotating order) and the
+kvstate / mlx-lm figure is the median of the per-repetition speed ratios, with its
+inter-quartile range: the machine is shared and drifts. Seeds vary the prompt and the
+draft's perturbation (so the acceptance pattern), sizes the model.
+
+    .venv/bin/python benchmarks/speculative.py [--sizes tiny,small] [--seeds 0,1,2] [--reps 7]
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/speculative.py --sizes large   # on the H200
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import random
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from _harness import Contender, environment, interleave
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import generate_step, speculative_generate_step
 
@@ -26,10 +32,18 @@ from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import ModelDrafter, NGramDrafter, generate
 
-LARGE = {
-    "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-    "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 8192,
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},  # hidden 64, 4 layers, vocab 256
+    "small": {
+        "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8,
+        "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 32,
+    },
+    "large": {  # ~1.1B: for a GPU
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 8192,
+    },
 }  # fmt: skip
 
 
@@ -37,9 +51,9 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def perturbed(model: nn.Module, noise: float = 0.01) -> nn.Module:
+def perturbed(model: nn.Module, noise: float = 0.01, seed: int = 1) -> nn.Module:
     params = tree_flatten(model.parameters())
-    keys = iter(mx.random.split(mx.random.key(1), len(params)))
+    keys = iter(mx.random.split(mx.random.key(seed), len(params)))
     model.update(
         tree_unflatten(
             [
@@ -56,82 +70,85 @@ def perturbed(model: nn.Module, noise: float = 0.01) -> nn.Module:
     return model
 
 
-def timed(fn: Any) -> tuple[list[int], float]:
-    start = time.perf_counter()
-    tokens = fn()
-    return tokens, time.perf_counter() - start
+def contenders(
+    model: nn.Module, draft: nn.Module, prompt: list[int], k: int, n: int
+) -> tuple[list[Contender], dict[str, Callable[[], tuple[list[int], int]]]]:
+    """The four generators of one (models, prompt, k), each returning (tokens, drafted)."""
 
+    def plain() -> tuple[list[int], int]:
+        return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)], 0
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--large", action="store_true", help="a ~1.1B llama (GPU)")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    config = LARGE if args.large else {}
-    dtype = mx.bfloat16 if args.large else mx.float32
-    model = tiny_model("llama", scale=4.0 if not args.large else 1.0, dtype=dtype, **config)
-    draft = perturbed(
-        tiny_model("llama", scale=4.0 if not args.large else 1.0, dtype=dtype, **config)
-    )
-    prompt = list(range(3, 40))
-    n = args.tokens
-    say(
-        f"# speculative: llama {'~1.1B bf16' if args.large else 'tiny'}, {mx.default_device()}, {n} tokens"
-    )
-    say(
-        "\n| k | contender | tok/s (median) | / plain greedy | / mlx-lm speculative | draft tokens |"
-    )
-    say("|---|---|---|---|---|---|")
-
-    def plain() -> list[int]:
-        return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-    def theirs(k: int) -> list[int]:
+    def mlx_lm() -> tuple[list[int], int]:
         steps = speculative_generate_step(
             mx.array(prompt), model, draft, num_draft_tokens=k, max_tokens=n
         )
-        return [int(t) for t, _, _ in steps]
+        out = [(int(t), bool(d)) for t, _, d in steps]
+        return [t for t, _ in out], sum(d for _, d in out)
 
-    def ours(k: int, drafter: Any) -> list[int]:
-        return [
-            t.token
-            for r in generate(wrap(model), [prompt], drafter, k=k, max_tokens=n, adaptive=False)
-            for t in r
-        ]
+    def ours(drafter: Any) -> tuple[list[int], int]:
+        rounds = generate(wrap(model), [prompt], drafter, k=k, max_tokens=n, adaptive=False)
+        out = [t for r in rounds for t in r]
+        return [t.token for t in out], sum(t.from_draft for t in out)
 
-    reference, _ = timed(plain)
-    for k in (2, 4):
-        times: dict[str, list[float]] = {
-            "plain": [],
-            "mlx-lm": [],
-            "kvstate": [],
-            "kvstate n-gram": [],
-        }
-        drafted = 0
-        for _ in range(args.reps):
-            times["plain"].append(timed(plain)[1])
-            out, t = timed(lambda k=k: theirs(k))
-            assert out == reference, "mlx-lm's speculative output differs from greedy"
-            times["mlx-lm"].append(t)
-            out, t = timed(lambda k=k: ours(k, ModelDrafter(wrap(draft))))
-            assert out == reference, "kvstate's speculative output differs from greedy"
-            times["kvstate"].append(t)
-            out, t = timed(lambda k=k: ours(k, NGramDrafter()))
-            assert out == reference
-            times["kvstate n-gram"].append(t)
-        drafted = sum(
-            t.from_draft
-            for r in generate(
-                wrap(model), [prompt], ModelDrafter(wrap(draft)), k=k, max_tokens=n, adaptive=False
+    runs = {
+        "plain": plain,
+        "mlx-lm": mlx_lm,
+        "kvstate": lambda: ours(ModelDrafter(wrap(draft))),
+        "kvstate n-gram": lambda: ours(NGramDrafter()),
+    }
+    return [Contender(name, lambda _, f=f: f()) for name, f in runs.items()], runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sizes", default="tiny", help=f"comma-separated: {', '.join(SIZES)}")
+    parser.add_argument("--seeds", default="0", help="comma-separated prompt / draft seeds")
+    parser.add_argument("--ks", default="2,4", help="comma-separated draft lengths")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--large", action="store_true", help="same as --sizes large")
+    args = parser.parse_args()
+    sizes = ["large"] if args.large else args.sizes.split(",")
+    n = args.tokens
+    say(f"# speculative decoding, {n} tokens, {mx.default_device()}\n")
+    say(environment(False))
+    say(
+        "\n| size | seed | k | contender | tok/s (median) | / plain | kvstate / mlx-lm "
+        "(paired median [IQR]) | drafts accepted |"
+    )
+    say("|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        dtype = mx.bfloat16 if size == "large" else mx.float32
+        scale = 1.0 if size == "large" else 4.0
+        model = tiny_model("llama", scale=scale, dtype=dtype, **SIZES[size])
+        vocab = int(model.args.vocab_size)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            draft = perturbed(
+                tiny_model("llama", scale=scale, dtype=dtype, **SIZES[size]), seed=seed + 1
             )
-            for t in r
-        )
-        base, mlx = statistics.median(times["plain"]), statistics.median(times["mlx-lm"])
-        for name, ts in times.items():
-            median = statistics.median(ts)
-            say(f"| {k} | {name} | {n / median:.1f} | {base / median:.2f} | {mlx / median:.2f} "
-                f"| {drafted if name == 'kvstate' else ''} |")  # fmt: skip
+            rng = random.Random(seed)
+            prompt = [3 + i for i in range(37)] if seed == 0 else rng.choices(range(vocab), k=37)
+            for k in (int(x) for x in args.ks.split(",")):
+                timed, runs = contenders(model, draft, prompt, k, n)
+                reference, _ = runs["plain"]()
+                accepted = {}
+                for name, run in runs.items():
+                    tokens, accepted[name] = run()
+                    assert tokens == reference, f"{name}'s output differs from greedy"
+                samples = interleave(timed, args.reps, warmup=1)
+                for name in runs:
+                    median = samples.median(name)
+                    speedup = samples.median("plain") / median
+                    ratio = ""
+                    if name.startswith("kvstate"):
+                        # time(mlx-lm) / time(kvstate): > 1 means kvstate is faster
+                        r, lo, hi = samples.paired_ratio("mlx-lm", name)
+                        ratio = f"**{r:.2f}** [{lo:.2f}, {hi:.2f}]"
+                    drafted = accepted[name] if name != "plain" else ""
+                    say(
+                        f"| {size} | {seed} | {k} | {name} | {n / median:.1f} | {speedup:.2f} "
+                        f"| {ratio} | {drafted} |"
+                    )
 
 
 if __name__ == "__main__":

@@ -60,14 +60,16 @@ class ModelDrafter:
       kept the same number, one capturing forward and a ragged `commit_prefix` when rows
       differ, so those draft models stay exact.
 
-    Each draft token is evaluated asynchronously as soon as its forward is built, so the
-    device computes step i while the host builds step i + 1 (mlx-lm's pipelining).
-
-    `draft`: a wrapped model (`kvstate.adapters.wrap(model)`).
+    `draft`: a wrapped model (`kvstate.adapters.wrap(model)`). `pipelined`: evaluate each
+    draft token asynchronously as soon as its forward is built, so the device computes step
+    i while the host builds step i + 1 (mlx-lm's `async_eval` loop); None: on a GPU only.
+    On MLX's CPU backend the hand-off costs more than it overlaps (measured on 2 cores:
+    benchmarks/speculative.py), so the round's drafts and verify are evaluated together.
     """
 
-    def __init__(self, draft: Any, seed: int = 0) -> None:
+    def __init__(self, draft: Any, seed: int = 0, *, pipelined: bool | None = None) -> None:
         self.draft = draft
+        self.pipelined = mx.default_device().type == mx.gpu if pipelined is None else pipelined
         self.key = mx.random.key(seed)
         self.state: Any = None  # holds every token the target kept, but `pending`
         self.pending: mx.array | None = None  # (B, 1) a kept final draft not yet fed
@@ -95,7 +97,8 @@ class ModelDrafter:
                 self.key, key = mx.random.split(self.key)
                 y = sampler.sample(q, key)[:, None]
                 probs.append(q[:, None])
-            mx.async_eval(y)
+            if self.pipelined:
+                mx.async_eval(y)
             tokens.append(y)
         self._proposal = _Proposed(self.state, state, y, prefix, k)
         drafted = tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)
