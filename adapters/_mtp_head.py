@@ -34,6 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvstate import ModelState, StateError
 
+from ._hidden import hidden_states, output_projections, recording_hidden
 from ._wrap import wrap
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")
@@ -116,6 +117,13 @@ class MTPHead(nn.Module):
             return logits, hidden_out, new, checkpoints
         logits, new, hidden_out = out
         return logits, hidden_out, new
+
+    def forward(self, hidden: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """(logits, hidden) over whole sequences without a state (teacher forcing, for
+        training: position i takes the target's hidden state at i - 1 and token i)."""
+        with feeding(hidden), recording_hidden(output_projections(self.inner)) as sink:
+            logits = self.inner(tokens)
+        return logits, hidden_states(sink, logits, self.inner)
 
     def trainable_parameters(self) -> dict[str, Any]:
         shared = self._fused + "embedding."

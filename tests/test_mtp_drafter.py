@@ -276,6 +276,21 @@ def test_the_mtp_head_shares_the_targets_embedding_norm_and_projection(name, tie
         ".layers." in k or ".enorm." in k or ".hnorm." in k or ".eh_proj." in k for k in own
     )
     assert any(".eh_proj." in k for k in own)
+    # Teacher forcing without a state (for training) computes the same.
+    taught, taught_hidden = head.forward(hidden, tokens)
+    np.testing.assert_allclose(np.array(taught), np.array(logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(taught_hidden), np.array(out), rtol=1e-5, atol=1e-5)
     # The hidden states matter: other ones give other logits.
     other = head(hidden + 1, tokens, head.init_state(2))[0]
     assert not np.allclose(np.array(other), np.array(logits))
+
+
+def test_without_the_targets_hidden_states_the_drafter_says_so():
+    model = tiny_model("llama")
+    drafter = MTPDrafter(MTPHead(model))
+    with pytest.raises(ks.StateError, match="hidden states"):
+        drafter.start([[1, 2, 3]])
+    with pytest.raises(ks.StateError, match="start first"):
+        drafter.propose([1], 2, Sampler())
+    with pytest.raises(ks.StateError, match=r"\(B, K, D\)"):
+        MTPHead(model)(mx.zeros((1, 2, 64)), mx.array([[1]]), MTPHead(model).init_state())

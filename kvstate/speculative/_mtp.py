@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from .._errors import StateError
 from .._transforms import commit_prefix, filter, merge
 from ._drafter import Proposal
 from ._sampling import Sampler
@@ -60,7 +61,7 @@ class MTPDrafter:
     def start(self, prompts: list[list[int]], hidden: list[mx.array] | None = None) -> None:
         """`hidden`: the target's hidden states over each prompt, (1, L, D) per row."""
         if hidden is None or len(hidden) != len(prompts):
-            raise ValueError("MTPDrafter.start: needs the target's hidden states per prompt")
+            raise StateError("MTPDrafter.start: needs the target's hidden states per prompt")
         states, pending = [], []
         for prompt, h in zip(prompts, hidden, strict=True):
             before = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
@@ -72,7 +73,7 @@ class MTPDrafter:
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         if self.pending is None:
-            raise ValueError("MTPDrafter.propose: call start first")
+            raise StateError("MTPDrafter.propose: call start first")
         hidden, state = self.pending, self.state
         y = mx.array(last, mx.int32)[:, None]
         tokens, probs = [], []
@@ -92,7 +93,7 @@ class MTPDrafter:
     def accept(self, fed: mx.array, kept: list[int], hidden: mx.array | None = None) -> None:
         """`hidden`: the target's hidden states (B, w, D) over `fed` (B, w)."""
         if hidden is None or self.pending is None:
-            raise ValueError("MTPDrafter.accept: needs the target's hidden states over `fed`")
+            raise StateError("MTPDrafter.accept: needs the target's hidden states over `fed`")
         width = fed.shape[1]
         if self._first_step is not None:  # (pending, last) is in it: the drafts remain
             state, counts = self._first_step, [n - 1 for n in kept]
