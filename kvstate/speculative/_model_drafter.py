@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from .._composite import ListState, ModelState
 from .._dense import DenseKV
 from .._transforms import capabilities, commit_prefix, filter, merge
 from ..kinds import Composite, record_forward
@@ -24,7 +23,7 @@ _TRIMMED_KINDS = (DenseKV,)
 
 def rolls_back_by_trim(state: Any) -> bool:
     """Whether every part of `state` is a KV kind whose rollback is a trim of its end."""
-    if isinstance(state, (ModelState, ListState, Composite)):
+    if isinstance(state, Composite):  # a model's layers, a layer of several caches
         return all(rolls_back_by_trim(p) for p in state.parts)
     return isinstance(state, _TRIMMED_KINDS)
 
@@ -50,11 +49,11 @@ class ModelDrafter:
     After the verify the draft state must hold every token the target kept:
     - every row kept k or k + 1 tokens: the proposing state as it is (the final draft, when
       kept, is fed at the start of the next proposal, as in mlx-lm);
-    - a draft model whose state is only KV caches that trim (dense or quantized, no windows,
-      no recurrent layers): the proposal's k one-token forwards are stamped as one forward of
-      their tokens and rolled back with one `commit_prefix` (ragged counts too, where the
-      kind allows), like mlx-lm's trim of its draft cache, instead of running the kept
-      tokens again;
+    - a draft model whose state is only dense KV caches (no windows, no recurrent layers):
+      the proposal's one-token forwards are stamped as one forward of their tokens and
+      rolled back with one `commit_prefix` (ragged counts too), like mlx-lm's trim of its
+      draft cache, instead of running the kept tokens again, unless some rows of a batch
+      kept their final draft (never fed) and others did not;
     - otherwise (windows, recurrent and hybrid draft models) the kept tokens run through the
       draft model again from the state before the proposal: one plain forward when every row
       kept the same number, one capturing forward and a ragged `commit_prefix` when rows
