@@ -125,3 +125,21 @@ def test_output_projections_finds_lm_head_and_tied_embeddings():
     tied = _hidden.output_projections(tiny_model("llama", tie_word_embeddings=True))
     assert sorted(p.method for p in untied) == ["__call__", "as_linear"]
     assert [p.method for p in tied] == ["as_linear"]
+
+
+def test_hidden_states_with_the_replay_fallback(monkeypatch):
+    """A recurrent layer kvstate cannot record is replayed token by token after the forward;
+    the hidden states are still the verify forward's own."""
+    from kvstate.adapters import _capture
+
+    monkeypatch.setattr(_capture, "KNOWN_MIXERS", {})
+    model = tiny_model("qwen3_next")
+    m = wrap(model)
+    body, _ = inner_and_projection(model)
+    caches = make_prompt_cache(model)
+    _, state = m(mx.array([PROMPT]), m.init_state())
+    body(mx.array([PROMPT]), caches)
+    _, _, checkpoints, hidden = m(mx.array([VERIFY]), state, capture=True, hidden=True)
+    expected = body(mx.array([VERIFY]), caches)
+    np.testing.assert_allclose(np.array(hidden), np.array(expected), rtol=1e-4, atol=1e-4)
+    assert checkpoints is not None
