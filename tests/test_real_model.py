@@ -82,3 +82,10 @@ def test_without_the_package_there_is_no_model(monkeypatch):
     monkeypatch.setattr(real_models, "_PACKAGE", "kvstate_no_such_package")
     assert real_models.smollm2_path() is None
     assert real_models.load_smollm2() is None
+
+
+def test_the_demo_streams_real_text_equal_to_greedy(smollm2, capsys):
+    demo = pytest.importorskip("examples.demo")
+    demo.real_model(new_tokens=12)  # asserts the speculative text equals plain greedy's
+    out = capsys.readouterr().out
+    assert "the same text as plain greedy decoding" in out and "12 tokens" in out
