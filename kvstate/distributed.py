@@ -239,7 +239,7 @@ def _check_pipeline_cover(placed: list[Placement], total: int | None = None) -> 
 
 def _join(parts: list[Any], where: str) -> Any:
     """One layer's rank states -> the layer's single-process state (heads joined)."""
-    _same_shape_of_state(parts, where)
+    _check_alike(parts, where)
     first = parts[0]
     if first is None:
         return None
@@ -336,7 +336,7 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(mx.array_equal(a, b))
 
 
-def _same_shape_of_state(parts: list[Any], where: str) -> None:
+def _check_alike(parts: list[Any], where: str) -> None:
     kinds = {type(p).__name__ for p in parts}
     if len(kinds) != 1:
         raise PlacementError(f"gather: {where} is of kinds {sorted(kinds)} on different ranks")

@@ -206,6 +206,10 @@ def check_divergence(group: Any, found: dict[str, Any]) -> None:
     found["generate_different_seeds"] = raises(
         lambda: list(generate(m, PROMPTS, None, max_tokens=4, sampler=hot, seed=rank))
     )
+    # A model both sharded and (here, by hand) marked as pipelined: wrap refuses it.
+    both = build("llama", group)
+    both.model.pipeline_size = 2
+    found["both_splits"] = raises(lambda: wrap(both))
     # Rank 0 of a tensor-sharded model and rank 1 of a pipelined one are not one model.
     if {"llama", "qwen3_next"} <= set(RANK_STATES):
         mixed = [RANK_STATES["llama"][0], RANK_STATES["qwen3_next"][1]]
