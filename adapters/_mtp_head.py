@@ -48,11 +48,11 @@ class FusedInput(nn.Module):
 
     def __init__(self, embedding: nn.Module, dims: int, eps: float, dtype: mx.Dtype) -> None:
         super().__init__()
-        self.embedding = embedding
         self.enorm = nn.RMSNorm(dims, eps=eps)
         self.hnorm = nn.RMSNorm(dims, eps=eps)
         self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
-        self.set_dtype(dtype)
+        self.set_dtype(dtype)  # before the embedding joins: the target's module stays as it is
+        self.embedding = embedding
 
     def __call__(self, ids: mx.array) -> mx.array:
         embedded = self.embedding(ids)
@@ -152,6 +152,8 @@ def _head_args(args: Any, n: int) -> Any:
 def _smallest_model(target: nn.Module, args: Any, layers: int | None) -> nn.Module:
     """A model of the target's class with its first N layers: `layers`, or the fewest for
     which a one-token forward of the architecture's own code runs."""
+    if layers is not None and not (isinstance(layers, int) and layers >= 1):
+        raise StateError(f"MTPHead: layers must be an int >= 1; got {layers!r}")
     tried = [layers] if layers is not None else range(1, args.num_hidden_layers + 1)
     failure: Exception | None = None
     build: Any = type(target)
@@ -162,9 +164,10 @@ def _smallest_model(target: nn.Module, args: Any, layers: int | None) -> nn.Modu
             return model
         except (IndexError, KeyError, ValueError, TypeError) as error:
             failure = error
+    counts = str(layers) if layers is not None else f"1 to {args.num_hidden_layers}"
     raise StateError(
-        f"MTPHead: no model of {type(target).__name__}'s architecture with "
-        f"{'its first ' + str(layers) if layers else 'fewer'} layers runs ({failure!r})"
+        f"MTPHead: no model of {type(target).__name__}'s architecture with {counts} layers "
+        f"runs ({failure!r}); build a head yourself (any module with the DraftHead call)"
     )
 
 

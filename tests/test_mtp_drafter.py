@@ -292,5 +292,11 @@ def test_without_the_targets_hidden_states_the_drafter_says_so():
         drafter.start([[1, 2, 3]])
     with pytest.raises(ks.StateError, match="start first"):
         drafter.propose([1], 2, Sampler())
+    with pytest.raises(ks.StateError, match="layers must be"):
+        MTPHead(model, layers=0)
+    with pytest.raises(ks.StateError, match="with 1 layers runs"):
+        MTPHead(tiny_model("qwen3_next"), layers=1)  # needs a linear and a full-attention layer
+    with pytest.raises(ks.StateError, match="no mlx-lm `args`"):
+        MTPHead(mx)  # type: ignore[arg-type]
     with pytest.raises(ks.StateError, match=r"\(B, K, D\)"):
         MTPHead(model)(mx.zeros((1, 2, 64)), mx.array([[1]]), MTPHead(model).init_state())
