@@ -20,6 +20,7 @@ from kvstate import (
     check,
     tree_flatten,
 )
+from kvstate import eval as evaluate
 from kvstate.distributed import with_placement
 from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 
@@ -168,7 +169,8 @@ class WrappedModel:
             # Run this forward's collectives now: those of forwards built side by side and
             # evaluated together could run in a different order on each rank (and mix up
             # their messages: a pipeline's send / recv of different prompts).
-            mx.eval(*outputs, *tree_flatten(state)[0])
+            mx.eval(*outputs)
+            evaluate(state)
         return vouch(state, self._voucher)
 
     def _probe(self) -> tuple[dict[str, Any], ...]:
