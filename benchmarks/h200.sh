@@ -4,15 +4,15 @@
 # brings MLX CUDA onto the device (.whl/a, .whl/b); `.whl/t` holds pytest / hypothesis wheels
 # and `.whl/src.tar` a `git archive HEAD` of this repository.
 #
-#   part 1: bash benchmarks/h200.sh tests-and-verify      part 2: bash benchmarks/h200.sh drafters
+#   bash benchmarks/h200.sh tests | verify | drafters     (then: tests drafters, in one call)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ ! -d /tmp/kv/kvstate ]; then  # kvstate.adapters lives in adapters/: lay it out as installed
-  mkdir -p /tmp/src /tmp/kv && tar -xf .whl/src.tar -C /tmp/src
-  cp -r /tmp/src/kvstate /tmp/kv/ && cp -r /tmp/src/adapters /tmp/kv/kvstate/adapters
+if [ ! -d /tmp/src/kvstate/adapters ]; then  # kvstate.adapters lives in adapters/: as installed
+  mkdir -p /tmp/src && tar -xf .whl/src.tar -C /tmp/src
+  cp -r /tmp/src/adapters /tmp/src/kvstate/adapters
 fi
-export PYTHONPATH=/tmp/site:/tmp/kv:/tmp/src:/tmp/src/benchmarks PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:/tmp/src:/tmp/src/benchmarks PYTHONUNBUFFERED=1
 cd /tmp/src
 step() {  # step SECONDS NAME COMMAND...: one part, cut at its own limit, logged as it runs
   local limit=$1 name=$2
@@ -20,19 +20,23 @@ step() {  # step SECONDS NAME COMMAND...: one part, cut at its own limit, logged
   echo "=== $name ($(date +%T), limit ${limit}s)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
 }
-case "${1:-}" in
-  tests-and-verify)
-    step 200 gpu-tests env HYPOTHESIS_PROFILE=ci python3 -m pytest -q -x -p no:cacheprovider \
+for part in "$@"; do
+case "$part" in
+  tests)
+    step 240 gpu-tests env HYPOTHESIS_PROFILE=ci python3 -m pytest -q -x -p no:cacheprovider \
       tests/test_tree_verify.py tests/test_hybrid_models.py tests/test_buckets.py \
       tests/test_model_drafter.py property_tests/test_gated_delta_steps.py \
       property_tests/test_ssm_steps.py
+    ;;
+  verify)
     step 330 verify python3 benchmarks/verify.py --only decode spec
     ;;
   drafters)
-    step 200 speculative python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3
-    step 120 tree-verify python3 benchmarks/tree_verify.py --reps 9 --hidden 2048 --context 1024
-    step 100 mtp python3 benchmarks/mtp.py --reps 2
-    step 120 quantized-decode python3 benchmarks/quantized_quality.py --parts decode
+    step 150 speculative python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3
+    step 90 tree-verify python3 benchmarks/tree_verify.py --reps 9 --hidden 2048 --context 1024
+    step 60 mtp python3 benchmarks/mtp.py --reps 2
+    step 90 quantized-decode python3 benchmarks/quantized_quality.py --parts decode
     ;;
-  *) echo "usage: bash benchmarks/h200.sh tests-and-verify | drafters"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [verify] [drafters]"; exit 2 ;;
 esac
+done
