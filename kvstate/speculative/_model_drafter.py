@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from .._dense import DenseKV
 from .._transforms import capabilities, commit_prefix, filter, merge
+from .._trust import inherit
 from ..kinds import Composite, record_forward
 from ._drafter import Proposal
 from ._sampling import Sampler
@@ -146,6 +147,8 @@ def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:
 def _trimmed(proposal: _Proposed, kept: list[int]) -> Any:
     """The proposing state rolled back to the state before it plus each row's kept tokens:
     the proposal's forwards (prefix + k tokens) stamped as one, then one commit."""
-    stamped = record_forward(proposal.after, proposal.before, proposal.fed)
+    # The stamp keeps every layer's kind and configuration, so the states the draft model
+    # already trusts stay trusted (its next forward skips the fit check).
+    stamped = inherit(record_forward(proposal.after, proposal.before, proposal.fed), proposal.after)
     prefix = proposal.fed - proposal.k
     return commit_prefix(stamped, [prefix + n for n in kept])
