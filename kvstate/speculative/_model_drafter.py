@@ -9,13 +9,13 @@ import mlx.core as mx
 from .._dense import DenseKV
 from .._transforms import capabilities, commit_prefix, filter, merge
 from .._trust import inherit
-from ..kinds import Composite, record_forward
+from ..kinds import Composite, replace, with_parts
 from ._drafter import Proposal
 from ._sampling import Sampler
 
 # Kinds whose commit only moves the end of the buffer back (`length` -= rejected): the
 # entries k one-token forwards wrote sit exactly where one k-token forward writes them, so
-# k forwards stamped as one (`record_forward`) roll back with one `commit_prefix`. Windows
+# k forwards stamped as one (`appended`) roll back with one `commit_prefix`. Windows
 # are left out (their rollback rebuilds from the layout one multi-token forward leaves, and
 # one-token forwards overwrite ring slots), so are recurrent arrays (they need checkpoints)
 # and the kinds no draft model's `make_cache` gives here (quantized, chunked).
@@ -30,7 +30,7 @@ def rolls_back_by_trim(state: Any) -> bool:
 
 
 class _Proposed(NamedTuple):
-    before: Any  # the state the proposal started from
+    before: Any  # the state the proposal started from (None where nothing rolls back to it)
     after: Any  # after the pending draft, the last token and drafts 1..k-1
     final_draft: mx.array  # (B, 1) draft k, never fed
     pending: mx.array | None  # (B, 1) the last round's kept final draft, fed first
@@ -88,6 +88,12 @@ class ModelDrafter:
         if prefix is not None:
             y = mx.concatenate([prefix, y], axis=1)
         state, tokens, probs = self.state, [], []
+        before = state
+        if self._trims and len(last) == 1:
+            # Nothing of batch 1 rolls back to the state before the proposal (a trim or the
+            # proposing state covers every count): holding it would make the first draft
+            # step copy every KV buffer instead of writing into it (copy on write).
+            self.state = before = None
         for _ in range(k):
             logits, state = self.draft(y, state)
             if sampler.greedy:  # sampler.sample(sampler.probs(l)) is l.argmax(-1), less work
@@ -100,7 +106,7 @@ class ModelDrafter:
             if self.pipelined:
                 mx.async_eval(y)
             tokens.append(y)
-        self._proposal = _Proposed(self.state, state, y, prefix, k)
+        self._proposal = _Proposed(before, state, y, prefix, k)
         drafted = tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)
         distributions = mx.concatenate(probs, axis=1) if probs else None
         return Proposal(drafted, [k] * len(last), distributions)
@@ -120,6 +126,7 @@ class ModelDrafter:
 
     def _run_kept(self, fed: mx.array, kept: list[int], pending: mx.array | None) -> None:
         """The kept tokens through the draft model again, from the state before the proposal."""
+        assert self.state is not None, "a batch-1 trimmable proposal keeps no state before it"
         tokens = fed[:, : max(kept)]
         if pending is not None:  # fed at the start of the proposal, never kept in self.state
             tokens = mx.concatenate([pending, tokens], axis=1)
@@ -144,11 +151,20 @@ def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:
     return uniform or capabilities(proposal.after).ragged_commit
 
 
+def _stamped(state: Any, n: int) -> Any:
+    """A state of dense KV parts as if its last `n` tokens came from one forward: what
+    `kinds.record_forward` does for a `DenseKV` (its record is `appended` alone, so the state
+    before is not needed)."""
+    if isinstance(state, Composite):
+        return with_parts(state, tuple(_stamped(p, n) for p in state.parts))
+    return replace(state, appended=n)
+
+
 def _trimmed(proposal: _Proposed, kept: list[int]) -> Any:
     """The proposing state rolled back to the state before it plus each row's kept tokens:
     the proposal's forwards (prefix + k tokens) stamped as one, then one commit."""
     # The stamp keeps every layer's kind and configuration, so the states the draft model
     # already trusts stay trusted (its next forward skips the fit check).
-    stamped = inherit(record_forward(proposal.after, proposal.before, proposal.fed), proposal.after)
+    stamped = inherit(_stamped(proposal.after, proposal.fed), proposal.after)
     prefix = proposal.fed - proposal.k
     return commit_prefix(stamped, [prefix + n for n in kept])
