@@ -310,3 +310,10 @@ def _batch_quantized(state: QuantizedKV) -> Any:
 # A capturing forward finds mlx-vlm's recurrent caches as it finds mlx-lm's.
 _capture.LIST_CACHES += (vlm.CacheList,)
 _capture.RECURRENT_CACHES += (vlm.ArraysCache,)
+
+# TurboQuant (mlx_vlm.turboquant) registers its converters there; to_vlm_cache dispatches to it.
+from kvstate import TurboQuantKV  # noqa: E402
+
+from ._vlm_turboquant import to_turboquant_cache  # noqa: E402
+
+to_vlm_cache.register(TurboQuantKV, to_turboquant_cache)

@@ -40,6 +40,7 @@ from ._transforms import (
     tile,
 )
 from ._tree import State, eval, nbytes, tree_flatten, tree_map
+from ._turboquant import TurboQuantKV
 from ._validation import check, tree_unflatten
 from .kinds import Capabilities
 
@@ -65,6 +66,7 @@ __all__ = [
     "StateError",
     "StepStates",
     "TokenError",
+    "TurboQuantKV",
     "batch_size",
     "capabilities",
     "check",

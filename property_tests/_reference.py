@@ -170,6 +170,15 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         pads = _pads(state.left_padding, batch)
         parts = [_row_slices(a, batch, pads, state.length) for a in (*state.keys, *state.values)]
         return [("quantized", state.length - pads[r], *(p[r] for p in parts)) for r in range(batch)]
+    if isinstance(state, ks.TurboQuantKV):
+        if state.key_norms is None or state.length == 0:
+            return [("turboquant", 0)] * batch
+        pads = _pads(state.left_padding, batch)
+        fields = (state.key_norms, state.key_indices, state.value_norms, state.value_indices)
+        parts = [_row_slices(a, batch, pads, state.length) for a in fields]
+        return [
+            ("turboquant", state.length - pads[r], *(p[r] for p in parts)) for r in range(batch)
+        ]
     if isinstance(state, ks.ChunkedKV):
         # What the next forward sees: it first drops the front past chunk_size
         # (maybe_trim_front), so entries there are never read again.

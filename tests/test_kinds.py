@@ -23,7 +23,7 @@ def test_the_library_registers_its_kinds():
     names = {k.__name__ for k in LIBRARY_KINDS}
     assert names == {
         "DenseKV", "RotatingKV", "ChunkedKV", "QuantizedKV", "RecurrentState",
-        "ListState", "ModelState",
+        "ListState", "ModelState", "TurboQuantKV",
     }  # fmt: skip
     assert {k.__name__ for k in kinds.layer_kinds()} >= names - {"ListState", "ModelState"}
 
@@ -39,6 +39,8 @@ def test_every_kind_implements_the_required_functions(kind):
 def test_every_layer_kind_has_a_strategy_and_an_adapter(kind):
     if not kind.__module__.startswith("kvstate."):
         pytest.skip("a kind defined outside the library")
+    import kvstate.adapters.vlm  # noqa: F401  (mlx-vlm's converters, TurboQuantKV's among them)
+
     assert kind in STRATEGIES
     assert kinds.implements(kind, to_cache), f"no to_mlx_lm for {kind.__name__}"
     assert any(_converts_to(f, kind) for f in _FROM.values()), f"no from_mlx_lm for {kind}"

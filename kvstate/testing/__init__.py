@@ -52,6 +52,7 @@ from ._strategies import (
     rotating_kv_states,
     strategy_for,
 )
+from ._turboquant_strategy import turboquant_kv_states
 
 __all__ = [
     "DTYPES",
@@ -73,4 +74,5 @@ __all__ = [
     "recurrent_states",
     "rotating_kv_states",
     "strategy_for",
+    "turboquant_kv_states",
 ]

@@ -1,0 +1,237 @@
+"""TurboQuantKV against mlx-vlm's own TurboQuant caches (`mlx_vlm.turboquant`).
+
+The oracle is always mlx-vlm: its update_and_fetch + quantized_attention on the cache the
+state came from, its trim / filter / extend / extract on BatchTurboQuantKVCache, its codecs'
+dequantize, and its language model decoding on its own caches.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+import mlx.core as mx
+from mlx_vlm import turboquant as tq
+from mlx_vlm.models.cache import make_prompt_cache
+
+import kvstate as ks
+from kvstate.adapters._vlm_turboquant import codecs
+from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
+from tests.vlm_helpers import tiny_vlm
+
+
+def normal(seed: int, shape: tuple[int, ...]) -> mx.array:
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def filled(cache: Any, n: int, seed: int, batch: int = 1, dims: tuple[int, int] = (64, 80)) -> Any:
+    cache.update_and_fetch(
+        normal(seed, (batch, 2, n, dims[0])), normal(seed + 1, (batch, 2, n, dims[1]))
+    )
+    return cache
+
+
+def mse_arrays(cache: Any) -> list[mx.array]:
+    keys, values = cache.state[:2]
+    return [keys.norms, keys.indices, values.norms, values.indices]
+
+
+def assert_same_arrays(a: list[mx.array], b: list[mx.array]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert mx.array_equal(x, y).item()
+
+
+def step_outputs(
+    cache: Any, seed: int, batch: int = 1, dims: tuple[int, int] = (64, 80)
+) -> list[mx.array]:
+    """Two decode steps of mlx-vlm's own update_and_fetch + quantized_attention (GQA 4:2)."""
+    out = []
+    for i in range(2):
+        k, v = (
+            normal(seed + 10 * i, (batch, 2, 1, dims[0])),
+            normal(seed + 10 * i + 1, (batch, 2, 1, dims[1])),
+        )
+        ks_, vs_ = cache.update_and_fetch(k, v)
+        q = normal(seed + 10 * i + 2, (batch, 4, 1, dims[0]))
+        out.append(cache.quantized_attention(q, ks_, vs_, scale=dims[0] ** -0.5))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("bits", "key_bits", "value_bits", "dims"),
+    [
+        (4, None, None, (64, 64)),
+        (3, None, None, (64, 80)),
+        (2, 2, 4, (80, 64)),
+        (3.5, None, None, (64, 64)),
+    ],
+)
+def test_round_trip_keeps_the_arrays_and_decodes_like_the_original(
+    tmp_path, bits, key_bits, value_bits, dims
+):
+    # 3.5 bits: keys 3, values 4 (mlx-vlm's resolve_kv_bits), still integer-bit MSE codecs.
+    cache = filled(
+        tq.TurboQuantKVCache(bits, seed=7, key_bits=key_bits, value_bits=value_bits),
+        5,
+        1,
+        dims=dims,
+    )
+    state = from_mlx_vlm(cache)
+    assert (state.key_dim, state.value_dim, state.seed) == (*dims, 7)
+    back = to_mlx_vlm(state)
+    assert type(back) is tq.TurboQuantKVCache
+    assert_same_arrays(mse_arrays(back), mse_arrays(cache))
+    assert (back.key_bits, back.value_bits, back.offset) == (cache.key_bits, cache.value_bits, 5)
+    ks.save(tmp_path / "tq.safetensors", state)
+    loaded = to_mlx_vlm(ks.load(tmp_path / "tq.safetensors"))  # codecs rebuilt from statics
+    expected = step_outputs(cache, 3, dims=dims)
+    for other in (back, loaded):
+        for got, want in zip(step_outputs(other, 3, dims=dims), expected, strict=True):
+            assert mx.array_equal(got, want).item()
+
+
+def test_the_rebuilt_codecs_dequantize_like_the_caches_own():
+    cache = filled(tq.TurboQuantKVCache(3, seed=2), 6, 4)
+    state = from_mlx_vlm(cache)
+    key_codec, value_codec = codecs(state)
+    want_k, want_v = cache.dequantize()
+    got_k = key_codec.dequantize(tq.TurboQuantMSEState(state.key_norms[..., 0], state.key_indices))
+    got_v = value_codec.dequantize(
+        tq.TurboQuantMSEState(state.value_norms[..., 0], state.value_indices)
+    )
+    assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()
+
+
+def test_commit_prefix_equals_trim():
+    cache = filled(tq.TurboQuantKVCache(4, seed=0), 6, 5)
+    state = ks.commit_prefix(_appended(cache, 3), 1)  # the last 3 positions pending: keep 1
+    cache.trim(2)
+    assert state.length == cache.offset == 4
+    expected = step_outputs(cache, 8)
+    for got, want in zip(step_outputs(to_mlx_vlm(state), 8), expected, strict=True):
+        assert mx.array_equal(got, want).item()
+
+
+def _appended(cache: Any, n: int) -> ks.TurboQuantKV:
+    return ks.kinds.replace(from_mlx_vlm(cache), appended=n)
+
+
+def batch_cache(paddings: list[int], n: int, seed: int, bits: int = 3) -> tq.BatchTurboQuantKVCache:
+    return filled(tq.BatchTurboQuantKVCache(paddings, bits, seed=1), n, seed, batch=len(paddings))
+
+
+def batch_fields(cache: tq.BatchTurboQuantKVCache) -> list[Any]:
+    k, v = cache.keys, cache.values
+    arrays = [
+        a[..., : cache._idx, :] if a.ndim == 4 else a[..., : cache._idx]
+        for a in (k.norms, k.indices, v.norms, v.indices)
+    ]
+    return [*arrays, cache.left_padding, cache.offset, cache._idx]
+
+
+def assert_batch_equal(a: tq.BatchTurboQuantKVCache, b: tq.BatchTurboQuantKVCache) -> None:
+    fa, fb = batch_fields(a), batch_fields(b)
+    assert fa[-1] == fb[-1]
+    assert_same_arrays(fa[:-1], fb[:-1])
+
+
+def test_batch_round_trip_and_batch_methods_equal_kvstates():
+    cache = batch_cache([2, 0, 1], 5, 20)
+    state = from_mlx_vlm(cache)
+    assert type(to_mlx_vlm(state)) is tq.BatchTurboQuantKVCache
+    assert_batch_equal(to_mlx_vlm(state), cache)
+
+    filtered = copy.deepcopy(cache)
+    filtered.filter(mx.array([0, 2]))
+    assert_batch_equal(to_mlx_vlm(ks.filter(state, [0, 2])), filtered)
+
+    other = batch_cache([0, 1], 3, 30)
+    extended = copy.deepcopy(cache)
+    extended.extend(other)
+    assert_batch_equal(to_mlx_vlm(ks.extend(state, from_mlx_vlm(other))), extended)
+
+    for row in range(3):
+        one = cache.extract(row)
+        assert_same_arrays(mse_arrays(to_mlx_vlm(ks.extract(state, row))), mse_arrays(one))
+
+    expected = step_outputs(cache, 40, batch=3)
+    for got, want in zip(step_outputs(to_mlx_vlm(state), 40, batch=3), expected, strict=True):
+        assert mx.array_equal(got, want).item()
+
+
+def test_merge_refuses_mixed_bits_and_seeds_naming_the_fields():
+    a = from_mlx_vlm(filled(tq.TurboQuantKVCache(3, seed=0), 4, 1))
+    for other, field in (
+        (tq.TurboQuantKVCache(4, seed=0), "key_bits"),
+        (tq.TurboQuantKVCache(3, seed=5), "seed"),
+        (tq.TurboQuantKVCache(3, seed=0, value_bits=2), "value_bits"),
+    ):
+        with pytest.raises(ks.ConfigMismatchError, match=field):
+            ks.merge([a, from_mlx_vlm(filled(other, 4, 1))])
+    merged = ks.merge([a, from_mlx_vlm(filled(tq.TurboQuantKVCache(3, seed=0), 2, 9))])
+    assert ks.batch_size(merged) == 2 and merged.length == 4
+
+
+def test_unsupported_codecs_are_refused_naming_the_class():
+    split = filled(tq.TurboQuantKVCache(3, seed=0, key_bits=2.5), 4, 1)
+    with pytest.raises(ks.StateError, match=r"TurboQuantKVCache.*_SplitCodec"):
+        from_mlx_vlm(split)
+    odd = filled(tq.TurboQuantKVCache(3, seed=0), 4, 1)
+    odd.key_codec = tq._TurboQuantProdCodec(64, 3, 0)
+    with pytest.raises(ks.StateError, match="_TurboQuantProdCodec"):
+        from_mlx_vlm(odd)
+
+
+def test_check_refuses_a_wrong_index_width():
+    state = from_mlx_vlm(filled(tq.TurboQuantKVCache(3, seed=0), 4, 1))
+    with pytest.raises(
+        ks.StateError, match="key_indices: 6 words per row, but 64 indices of 4 bits pack into 8"
+    ):
+        ks.check(ks.kinds.replace(state, key_bits=4))
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_state_errors_equal_mlx_vlms(bits):
+    # The issue's quality figures: relative key error of TurboQuant-MSE, through kvstate's
+    # state (codecs rebuilt from its statics) and through mlx-vlm's cache, identical.
+    keys = normal(bits, (1, 2, 64, 128))
+    cache = tq.TurboQuantKVCache(bits, seed=0)
+    cache.update_and_fetch(keys, keys)
+    state = from_mlx_vlm(cache)
+    key_codec, _ = codecs(state)
+    ours = key_codec.dequantize(tq.TurboQuantMSEState(state.key_norms[..., 0], state.key_indices))
+    theirs = cache.dequantize()[0]
+    err = lambda x: (mx.linalg.norm(x - keys) / mx.linalg.norm(keys)).item()  # noqa: E731
+    assert err(ours) == err(theirs)
+    assert err(ours) == pytest.approx({4: 0.097, 3: 0.184, 2: 0.341}[bits], abs=0.02)
+
+
+def test_a_model_decodes_the_same_after_a_save_load_round_trip(tmp_path):
+    model = tiny_vlm("llama").language_model
+    prompt, follow = [3, 17, 42, 8, 99, 5], [11, 23, 7]
+
+    def caches() -> list[Any]:
+        return [tq.TurboQuantKVCache(3, seed=4) for _ in make_prompt_cache(model)]
+
+    theirs = caches()
+    model(mx.array([prompt]), cache=theirs)
+    ks.save(tmp_path / "m.safetensors", from_mlx_vlm(theirs))
+    ours = to_mlx_vlm(ks.load(tmp_path / "m.safetensors"))
+    tokens: list[list[int]] = [[], []]
+    for t in follow:  # teacher-forced logits, then greedy tokens
+        a = model(mx.array([[t]]), cache=theirs).logits
+        b = model(mx.array([[t]]), cache=ours).logits
+        assert mx.array_equal(a, b).item()
+    for cache, out in ((theirs, tokens[0]), (ours, tokens[1])):
+        token = follow[-1]
+        for _ in range(4):
+            token = int(mx.argmax(model(mx.array([[token]]), cache=cache).logits[0, -1]).item())
+            out.append(token)
+    assert tokens[0] == tokens[1]
