@@ -174,6 +174,17 @@ def test_greedy_acceptance_is_prefix_matching():
     assert verdict.accepted == [2, 1] and verdict.next_tokens == [2, 0]
 
 
+def test_drafts_past_a_rows_count_are_never_accepted():
+    """Positions past counts[b] are filler: a row accepts at most its count, even when the
+    filler happens to be the target's pick (greedy and sampled rules alike)."""
+    target = mx.array([[[0.1, 0.9, 0], [0.8, 0.2, 0], [0, 0, 1]]] * 3)  # argmax 1, 0, 2
+    drafts = mx.array([[1, 0]] * 3)  # both drafts are the target's picks
+    assert accept(target, drafts, None, [2, 1, 0], Sampler()).accepted == [2, 1, 0]
+    assert accept(target, drafts, None, [2, 1, 0], Sampler()).next_tokens == [2, 0, 1]
+    sampled = accept(target, drafts, None, [2, 1, 0], Sampler(temperature=1.0), mx.random.key(0))
+    assert sampled.accepted[1] <= 1 and sampled.accepted[2] == 0
+
+
 def test_sampled_generation_matches_the_target_distribution():
     """End to end: 300 rows sample the same prompt at temperature 1 (top_k 6) with a draft
     model that disagrees with the target; the second token (the first that can come from a

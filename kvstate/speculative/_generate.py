@@ -18,7 +18,7 @@ from .._transforms import commit_prefix, filter, merge
 from .._tree import host_ints
 from ..distributed import agree, group_of
 from ._drafter import Drafter
-from ._sampling import Sampler, accept
+from ._sampling import Sampler, accept, accept_greedy
 
 
 class Token(NamedTuple):
@@ -107,9 +107,16 @@ def generate(
             drafted = proposal.tokens[:, :span]
             fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafted.astype(mx.int32)], 1)
             logits, verified, checkpoints, *hidden = target(fed, state, capture=True, **extra)
-            probs = None if proposal.probs is None else proposal.probs[:, :span]
-            key, sub = mx.random.split(key)
-            verdict = accept(sampler.probs(logits), drafted, probs, proposal.counts, sampler, sub)
+            # Hold nothing of the pre-verify state while the verify runs: MLX then writes the
+            # KV buffers in place instead of copying them (the commit needs only `verified`).
+            del state
+            if sampler.greedy:
+                verdict = accept_greedy(logits, drafted, proposal.counts)
+            else:
+                probs = None if proposal.probs is None else proposal.probs[:, :span]
+                key, sub = mx.random.split(key)
+                target_probs = sampler.probs(logits)
+                verdict = accept(target_probs, drafted, probs, proposal.counts, sampler, sub)
             accepted, nxt = verdict.accepted, verdict.next_tokens
             state = commit_prefix(verified, [a + 1 for a in accepted], checkpoints)
             drafts = cast(list[list[int]], drafted.tolist())

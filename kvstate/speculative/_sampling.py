@@ -92,14 +92,9 @@ def accept(
     counts: drafts that count per row (<= w). One host sync for the whole batch.
     """
     width = drafts.shape[1]
-    positions = mx.arange(width)[None]
-    valid = positions < mx.array(counts)[:, None]
     if sampler.greedy:
-        ok = (target[:, :width].argmax(-1) == drafts) & valid
-        accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
-        last = mx.take_along_axis(target, accepted[:, None, None], axis=1)[:, 0]
-        out = mx.concatenate([accepted[:, None], last.argmax(-1)[:, None].astype(mx.int32)], 1)
-        return _verdict(out)
+        return accept_greedy(target, drafts, counts)
+    valid = mx.arange(width)[None] < mx.array(counts)[:, None]
     keys = mx.random.split(key, 2) if key is not None else (None, None)
     p_draft = mx.take_along_axis(target[:, :width], drafts[..., None], axis=-1)[..., 0]
     if draft_probs is None:
@@ -126,6 +121,19 @@ def accept(
     final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
     next_tokens = sampler.sample(final, key=keys[1])
     return _verdict(mx.concatenate([accepted[:, None], next_tokens[:, None]], axis=1))
+
+
+def accept_greedy(scores: mx.array, drafts: mx.array, counts: list[int]) -> Verdict:
+    """Greedy acceptance straight from `scores` (B, w+1, V): logits, or any distribution
+    whose argmax is the target's pick. A draft is accepted while it is the target's argmax.
+    One host sync for the whole batch."""
+    width = drafts.shape[1]
+    picks = scores.argmax(-1).astype(mx.int32)  # (B, w+1)
+    valid = mx.arange(width)[None] < mx.array(counts)[:, None]
+    ok = (picks[:, :width] == drafts) & valid
+    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1).astype(mx.int32)
+    following = mx.take_along_axis(picks, accepted[:, None], axis=1)
+    return _verdict(mx.concatenate([accepted[:, None], following], axis=1))
 
 
 def _verdict(columns: mx.array) -> Verdict:
