@@ -36,6 +36,7 @@ from kvstate.testing import (
     recurrent_checkpoints,
     recurrent_states,
     rotating_kv_states,
+    turboquant_kv_states,
 )
 from kvstate.testing._window import window_update
 
@@ -96,7 +97,7 @@ def batches(state: Any) -> bool:
 def same_config_rows(draw: Any) -> list[Any]:
     """2..4 single-row states of one kind and configuration that `merge` accepts."""
     n = draw(st.integers(2, 4), label="n")
-    kinds = ["dense", "quantized", "chunked", "recurrent", "rotating"]
+    kinds = ["dense", "quantized", "chunked", "recurrent", "rotating", "turboquant"]
     kind = draw(st.sampled_from(kinds), label="kind")
     dtype = draw(st.sampled_from(DTYPES))
     if kind == "dense":
@@ -108,6 +109,10 @@ def same_config_rows(draw: Any) -> list[Any]:
         config |= {"heads": 1, "k_groups": 1, "v_groups": 1, "length": length}
         config |= {"rotation": draw(st.sampled_from(ROTATION_KINDS)), "seed": 1, "pads": (0, 8)}
         return [draw(quantized_kv_states(batch=1, **config)) for _ in range(n)]
+    if kind == "turboquant":
+        config = {"heads": 1, "key_dim": 12, "value_dim": 8, "key_bits": 3, "value_bits": 2}
+        config |= {"seed": 1, "padded": False, "empty": False}
+        return [draw(turboquant_kv_states(batch=1, **config)) for _ in range(n)]
     if kind == "chunked":
         config = {"chunk_size": 4, "heads": 1, "k_dim": 2, "v_dim": 2, "dtype": dtype}
         config |= {"start": draw(st.integers(0, 3)), "held": draw(st.integers(1, 4))}

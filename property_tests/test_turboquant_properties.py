@@ -1,0 +1,89 @@
+"""TurboQuantKV's row transforms against mlx-vlm's BatchTurboQuantKVCache on drawn states.
+
+Each drawn state becomes mlx-vlm's batch cache (`to_mlx_vlm`); mlx-vlm's own filter /
+extend / extract / trim run on that cache and must equal kvstate's filter / extend / extract
+/ commit_prefix, array for array over the used positions, with the same left padding,
+offsets and `_idx`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("mlx_vlm")
+
+import mlx.core as mx
+from mlx_vlm import turboquant as tq
+
+import kvstate as ks
+from kvstate.adapters.vlm import to_mlx_vlm
+from kvstate.testing import turboquant_kv_states
+
+CONFIG = {"heads": 2, "key_dim": 12, "value_dim": 16, "key_bits": 3, "value_bits": 2, "seed": 1}
+
+
+def batch(state: ks.TurboQuantKV) -> tq.BatchTurboQuantKVCache:
+    if state.left_padding is None:  # the batch cache always has left padding
+        state = ks.kinds.replace(state, left_padding=mx.zeros((ks.batch_size(state),), mx.int32))
+    cache = to_mlx_vlm(state)
+    assert type(cache) is tq.BatchTurboQuantKVCache
+    return cache
+
+
+def fields(cache: tq.BatchTurboQuantKVCache) -> list[Any]:
+    n = cache._idx
+    k, v = cache.keys, cache.values
+    used = [a[..., :n] for a in (k.norms, v.norms)] + [
+        a[..., :n, :] for a in (k.indices, v.indices)
+    ]
+    return [*used, cache.left_padding, cache.offset]
+
+
+def assert_same_cache(got: tq.BatchTurboQuantKVCache, want: tq.BatchTurboQuantKVCache) -> None:
+    assert got._idx == want._idx
+    for a, b in zip(fields(got), fields(want), strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item(), (a, b)
+
+
+@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
+def test_filter_equals_mlx_vlms(state, data):
+    rows = data.draw(st.lists(st.integers(0, ks.batch_size(state) - 1), min_size=1, max_size=3))
+    theirs = copy.deepcopy(batch(state))
+    theirs.filter(mx.array(rows))
+    assert_same_cache(batch(ks.filter(state, rows)), theirs)
+
+
+@given(
+    a=turboquant_kv_states(**CONFIG, empty=False),
+    b=turboquant_kv_states(**CONFIG, empty=False),
+)
+def test_extend_equals_mlx_vlms(a, b):
+    a, b = ks.kinds.replace(a, appended=0), ks.kinds.replace(b, appended=0)
+    theirs = copy.deepcopy(batch(a))
+    theirs.extend(batch(b))
+    assert_same_cache(batch(ks.extend(a, b)), theirs)
+
+
+@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
+def test_extract_equals_mlx_vlms(state, data):
+    row = data.draw(st.integers(0, ks.batch_size(state) - 1))
+    theirs = batch(state).extract(row)
+    ours = to_mlx_vlm(ks.extract(state, row))
+    assert type(ours) is tq.TurboQuantKVCache and ours.offset == theirs.offset
+    for x, y in zip(
+        (*ours.state[0], *ours.state[1]), (*theirs.state[0], *theirs.state[1]), strict=True
+    ):
+        assert mx.array_equal(x, y).item()
+
+
+@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
+def test_uniform_commit_equals_trim(state, data):
+    keep = data.draw(st.integers(0, state.appended))
+    theirs = batch(state)
+    theirs.trim(state.appended - keep)
+    assert_same_cache(batch(ks.commit_prefix(state, keep)), theirs)
