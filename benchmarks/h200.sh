@@ -33,7 +33,7 @@ case "$part" in
     step 330 verify python3 benchmarks/verify.py --only decode spec
     ;;
   drafters)
-    step 150 speculative python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3
+    step 150 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3
     step 90 tree-verify python3 benchmarks/tree_verify.py --reps 9 --hidden 2048 --context 1024
     step 60 mtp python3 benchmarks/mtp.py --reps 2
     step 60 qmm-support python3 benchmarks/cuda_qmm_support.py
