@@ -86,6 +86,45 @@ def quality_rows() -> None:
             )
 
 
+def turboquant_rows() -> None:
+    """mlx-vlm's TurboQuant-MSE (keys and values at `bits`, seed 0) on the same data, decoded
+    twice: by kvstate's TurboQuantKV (from_mlx_vlm, codecs rebuilt from its statics) and by
+    mlx-vlm's own cache; attention through mlx-vlm's quantized_attention on the cache made back
+    from the state. The two error columns must agree exactly (issue 9)."""
+    from mlx_vlm import turboquant as tq
+
+    from kvstate.adapters._vlm_turboquant import codecs
+    from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
+
+    print(
+        "\n| method | bytes/elem K | data | key err (state) | key err (mlx-vlm) | value err "
+        "| attention err |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for bits in (4, 3, 2):
+        for outliers in (False, True):
+            q, k, v = kv_data(outliers)
+            cache = tq.TurboQuantKVCache(bits, seed=0)
+            cache.update_and_fetch(k, v)
+            state = from_mlx_vlm(cache)
+            kc, vc = codecs(state)
+            k_hat = kc.dequantize(tq.TurboQuantMSEState(state.key_norms[..., 0], state.key_indices))
+            v_hat = vc.dequantize(
+                tq.TurboQuantMSEState(state.value_norms[..., 0], state.value_indices)
+            )
+            theirs = cache.dequantize()[0]
+            kb = (state.key_norms.nbytes + state.key_indices.nbytes) / k.size
+            data = "outliers x10" if outliers else "Gaussian"
+            back = to_mlx_vlm(state)
+            exact = mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5, mask=None)
+            approx = back.quantized_attention(q, scale=128**-0.5)
+            print(
+                f"| TurboQuant-MSE K{bits}/V{bits} | {kb:.3f} | {data} | {rel(k_hat, k):.3f} | "
+                f"{rel(theirs, k):.3f} | {rel(v_hat, v):.3f} | {rel(approx, exact):.3f} |",
+                flush=True,
+            )
+
+
 def model_rows() -> None:
     model = tiny_model(
         "llama",
@@ -222,6 +261,7 @@ def main() -> None:
     print(f"mlx {mx.__version__}, {mx.default_device()}, {platform.machine()}\n")
     if "quality" in parts:
         quality_rows()
+        turboquant_rows()
     if "model" in parts:
         model_rows()
     if "kernels" in parts:
