@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,7 +23,8 @@ from mlx_vlm import turboquant as tq
 
 import kvstate as ks
 from kvstate.adapters.vlm import to_mlx_vlm
-from kvstate.testing import turboquant_kv_states
+from kvstate.testing import accepted_counts, turboquant_kv_states
+from property_tests._reference import meaning
 
 CONFIG = {"heads": 2, "key_dim": 12, "value_dim": 16, "key_bits": 3, "value_bits": 2, "seed": 1}
 
@@ -87,3 +89,28 @@ def test_uniform_commit_equals_trim(state, data):
     theirs = batch(state)
     theirs.trim(state.appended - keep)
     assert_same_cache(batch(ks.commit_prefix(state, keep)), theirs)
+
+
+def _tokens(row: tuple[Any, ...]) -> np.ndarray:
+    """A `meaning` row's tokens as a sorted (T, H * columns) int64 matrix: a multiset."""
+    if row[1] == 0:
+        return np.zeros((0, 0), np.int64)
+    per_head = np.concatenate([a.astype(np.int64) for a in row[2:]], axis=-1)  # (H, T, X)
+    tokens = per_head.transpose(1, 0, 2).reshape(per_head.shape[1], -1)
+    return tokens[np.lexsort(tokens.T[::-1])]
+
+
+@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
+def test_ragged_commit_keeps_each_rows_prefix(state, data):
+    """mlx-vlm's caches have no ragged commit: the reference is each row's tokens before the
+    pending ones plus its first accepted[b] pending ones (a multiset: they may move)."""
+    accepted = data.draw(accepted_counts(state, ragged=True), label="accepted")
+    counts = [accepted] * ks.batch_size(state) if isinstance(accepted, int) else accepted
+    committed = ks.commit_prefix(state, accepted)
+    rows = meaning(state, history=False)
+    for b, (row, c) in enumerate(zip(meaning(committed, history=False), counts, strict=True)):
+        held = rows[b][1] - state.appended  # row b's tokens before the pending ones
+        expected = ("turboquant", held + c, *(a[:, : held + c] for a in rows[b][2:]))
+        assert row[1] == held + c, f"row {b}: length {row[1]}, expected {held + c}"
+        assert np.array_equal(_tokens(row), _tokens(expected))
+    assert committed.length - state.length == max(counts) - state.appended

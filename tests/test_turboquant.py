@@ -235,3 +235,19 @@ def test_a_model_decodes_the_same_after_a_save_load_round_trip(tmp_path):
             token = int(mx.argmax(model(mx.array([[token]]), cache=cache).logits[0, -1]).item())
             out.append(token)
     assert tokens[0] == tokens[1]
+
+
+def test_an_empty_padded_state_prefills_like_mlx_vlms_batch_cache():
+    # Padding for a batched prefill: the state says how much of each row will be padding.
+    spec = ks.TurboQuantKV(left_padding=mx.array([2, 0], mx.int32), key_bits=3, value_bits=2)
+    spec = ks.merge([ks.row_select(spec, 0), ks.row_select(spec, 1)])
+    theirs = tq.BatchTurboQuantKVCache([2, 0], 3, seed=0, key_bits=3, value_bits=2)
+    ours = to_mlx_vlm(spec)
+    assert type(ours) is tq.BatchTurboQuantKVCache
+    for cache in (theirs, ours):
+        filled(cache, 4, 50, batch=2)
+    assert_batch_equal(ours, theirs)
+    ks.check(from_mlx_vlm(ours))
+    expected = step_outputs(theirs, 60, batch=2)
+    for got, want in zip(step_outputs(ours, 60, batch=2), expected, strict=True):
+        assert mx.array_equal(got, want).item()
