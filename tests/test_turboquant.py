@@ -187,6 +187,9 @@ def test_unsupported_codecs_are_refused_naming_the_class():
     odd.key_codec = tq._TurboQuantProdCodec(64, 3, 0)
     with pytest.raises(ks.StateError, match="_TurboQuantProdCodec"):
         from_mlx_vlm(odd)
+    hybrid = tq.HybridQuantKVCache.__new__(tq.HybridQuantKVCache)  # not covered yet
+    with pytest.raises(ks.StateError, match="HybridQuantKVCache"):
+        from_mlx_vlm(hybrid)
 
 
 def test_check_refuses_a_wrong_index_width():
