@@ -254,3 +254,34 @@ def test_an_empty_padded_state_prefills_like_mlx_vlms_batch_cache():
     expected = step_outputs(theirs, 60, batch=2)
     for got, want in zip(step_outputs(ours, 60, batch=2), expected, strict=True):
         assert mx.array_equal(got, want).item()
+
+
+def test_a_wrapped_model_on_turboquant_states_decodes_like_mlx_vlms_caches():
+    """kvstate's wrapper on a ModelState of TurboQuantKV layers vs the language model on
+    mlx-vlm's TurboQuantKVCache list: prompt logits, a verify forward rolled back with
+    commit_prefix (mlx-vlm: trim), then greedy tokens, identical."""
+    from kvstate.adapters.vlm import wrap
+
+    model = tiny_vlm("llama")
+    lm, wrapped = model.language_model, wrap(model)
+    layers = len(make_prompt_cache(lm))
+    caches = [tq.TurboQuantKVCache(3, seed=4) for _ in range(layers)]
+    state = ks.ModelState(
+        tuple(ks.TurboQuantKV(key_bits=3, value_bits=3, seed=4) for _ in range(layers))
+    )
+    prompt = mx.array([[3, 17, 42, 8, 99, 5]])
+    logits, state = wrapped(prompt, state)
+    assert mx.array_equal(logits, lm(prompt, cache=caches).logits).item()
+    draft = mx.array([[11, 23, 7]])
+    logits, state = wrapped(draft, state)
+    assert mx.array_equal(logits, lm(draft, cache=caches).logits).item()
+    state = ks.commit_prefix(state, 1)
+    for cache in caches:
+        cache.trim(2)
+    ours, theirs = [11], [11]
+    for _ in range(5):
+        logits, state = wrapped(mx.array([[ours[-1]]]), state)
+        ours.append(int(mx.argmax(logits[0, -1]).item()))
+        reference = lm(mx.array([[theirs[-1]]]), cache=caches).logits
+        theirs.append(int(mx.argmax(reference[0, -1]).item()))
+    assert ours == theirs and len(set(ours)) > 2  # the tokens vary: a real decode
