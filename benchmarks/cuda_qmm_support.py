@@ -14,10 +14,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def works(bits: int, group: int, transpose: bool, dtype: mx.Dtype, m: int, n: int) -> bool:
+def works(
+    bits: int, group: int, transpose: bool, dtype: mx.Dtype, m: int, n: int, sliced: bool = False
+) -> bool:
+    """`sliced`: the quantized keys are the first n positions of a longer buffer (a cache's
+    capacity), a strided view, as quantized attention reads them."""
     heads, dim = 8, 128
-    data = mx.random.normal((1, heads, n, dim)).astype(dtype)
-    w, scales, biases = mx.quantize(data, group_size=group, bits=bits)
+    data = mx.random.normal((1, heads, n + 256 * sliced, dim)).astype(dtype)
+    w, scales, biases = (a[..., :n, :] for a in mx.quantize(data, group_size=group, bits=bits))
     x = mx.random.normal((1, heads, m, dim if transpose else n)).astype(dtype)
     try:
         y = mx.quantized_matmul(
