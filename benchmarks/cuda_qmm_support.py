@@ -50,6 +50,18 @@ def main() -> None:
                         f"{dtype} bits {bits} group {group} transpose {transpose}: {verdict}",
                         flush=True,
                     )
+    for bits in (2, 3, 4, 5, 6, 8):
+        for transpose in (True, False):
+            failed = [
+                (m, n)
+                for m in (1, 5)
+                for n in (1024, 1025)
+                if not works(bits, 64, transpose, mx.float32, m, n, sliced=True)
+            ]
+            verdict = "all ok" if not failed else f"FAILED (M, N): {failed}"
+            print(
+                f"sliced buffer, float32 bits {bits} transpose {transpose}: {verdict}", flush=True
+            )
 
 
 if __name__ == "__main__":
