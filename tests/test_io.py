@@ -85,7 +85,16 @@ def sample_states() -> dict[str, Any]:
         "dense_batched_bf16": DenseKV(kb, vb, mx.array([2, 0, 1], mx.int32), length=9, appended=3),
         "dense_concatenate": DenseKV(k[:, :, :5], v[:, :, :5], length=5, concatenate=True),
         "empty": DenseKV(),
-        "quantized": QuantizedKV(qk, qv, length=7, appended=2, key_bits=4, value_bits=4, key_group_size=64, value_group_size=64),
+        "quantized": QuantizedKV(
+            qk,
+            qv,
+            length=7,
+            appended=2,
+            key_bits=4,
+            value_bits=4,
+            key_group_size=64,
+            value_group_size=64,
+        ),
         "quantized_empty": QuantizedKV(key_group_size=32, value_group_size=32),
         "rotating_with_previous": RotatingKV(
             k[:, :, :11], v[:, :, :11], previous=window, max_size=8, keep=2, offset=13, index=11
@@ -449,7 +458,15 @@ MLX_LM_CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
     ),
     "QuantizedKVCache": (
         lambda: filled(QuantizedKVCache(group_size=64, bits=4), [3, 1], dims=(64, 128)),
-        lambda c: QuantizedKV(tuple(c.keys), tuple(c.values), length=4, key_bits=4, value_bits=4, key_group_size=64, value_group_size=64),
+        lambda c: QuantizedKV(
+            tuple(c.keys),
+            tuple(c.values),
+            length=4,
+            key_bits=4,
+            value_bits=4,
+            key_group_size=64,
+            value_group_size=64,
+        ),
     ),
     "ChunkedKVCache": (
         lambda: filled(ChunkedKVCache(chunk_size=4), [3, 3]),
