@@ -52,6 +52,11 @@ def to_cache(state: Any) -> Any:
     )
 
 
+# Cache classes known to have no exact state, with the reason (filled by the adapters that
+# know them); from_cache says it next to the supported list.
+REFUSED: dict[type, str] = {}
+
+
 def from_cache(cache: Any, appended: int = 0) -> Any:
     """One mlx-lm cache object -> a layer state holding fresh arrays, stamped with the
     tokens its last forward `appended` (see `kvstate.kinds.record_forward`)."""
@@ -59,9 +64,11 @@ def from_cache(cache: Any, appended: int = 0) -> Any:
     if convert is None:
         convert = _FROM.get(type(cache)) if _registered_vlm(cache) else None
     if convert is None:
+        reason = REFUSED.get(type(cache))
+        because = f" ({reason})" if reason else ""
         raise StateError(
             f"from_mlx_lm: no state for cache class {type(cache).__module__}."
-            f"{type(cache).__qualname__}; supported: {supported()}"
+            f"{type(cache).__qualname__}{because}; supported: {supported()}"
         )
     return convert(cache, appended)
 

@@ -6,6 +6,7 @@ is the same state (tests/test_vlm_caches.py checks the fields, and the classes' 
 update_and_fetch / trim / make_mask / filter / extend / extract against the state's):
 
     KVCache, BatchKVCache, ConcatenateKVCache  -> DenseKV
+    SimpleKVCache                              -> DenseKV (concatenate, simple)
     RotatingKVCache, BatchRotatingKVCache      -> RotatingKV
     ArraysCache                                -> RecurrentState
     CacheList                                  -> ListState
@@ -17,6 +18,9 @@ mlx-vlm's ArraysCache reads `left_padding` / `lengths` through properties that s
 effective values and the cache made back starts with a zero counter. A cache in the middle of
 mlx-vlm's own speculation transaction (`start_speculation` without commit or abort) is
 refused: its arrays are a tentative future that only that transaction can settle.
+
+Refused, with the reason (`REFUSED`): BufferedRotatingKVCache, StaticPrefixKVCache,
+PoolingCache, BatchPoolingCache (no kind holds their layout exactly).
 
 `to_vlm_cache` gives mlx-vlm classes back; `_convert.to_cache` keeps giving mlx-lm's.
 This module imports mlx_vlm: only `kvstate.adapters.vlm` (and a lazy lookup in `_convert`
@@ -43,7 +47,7 @@ from kvstate import (
 )
 
 from . import _capture
-from ._convert import _FROM, fresh, from_cache, register_from, to_cache
+from ._convert import _FROM, REFUSED, fresh, from_cache, register_from, to_cache
 from ._rotating import fixed_make_mask
 
 # ---------------------------------------------------------------------------------------
@@ -59,6 +63,21 @@ def _(cache: vlm.KVCache, appended: int = 0) -> DenseKV:
 @register_from(vlm.ConcatenateKVCache)
 def _(cache: vlm.ConcatenateKVCache, appended: int = 0) -> DenseKV:
     return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended, True)
+
+
+@register_from(vlm.SimpleKVCache)
+def _(cache: vlm.SimpleKVCache, appended: int = 0) -> DenseKV:
+    held = 0 if cache.keys is None else int(cache.keys.shape[2])
+    if held != cache.cache_length:
+        # `update()` replaces the arrays but adds to the count: the two no longer agree.
+        raise StateError(
+            f"from_mlx_vlm: this SimpleKVCache holds {held} positions but its cache_length is "
+            f"{cache.cache_length}; only a cache whose arrays hold cache_length positions has a "
+            "state"
+        )
+    return DenseKV(
+        fresh(cache.keys), fresh(cache.values), None, held, appended, concatenate=True, simple=True
+    )
 
 
 @register_from(vlm.BatchKVCache)
@@ -204,6 +223,13 @@ def _(state: DenseKV) -> Any:
         batch._idx = state.length
         batch._right_padding = None
         return batch
+    if state.simple:
+        simple = vlm.SimpleKVCache()
+        if state.keys is not None and state.values is not None:
+            simple.keys = state.keys[..., : state.length, :]
+            simple.values = state.values[..., : state.length, :]
+        simple.cache_length = state.length
+        return simple
     if state.concatenate:
         concat = vlm.ConcatenateKVCache()
         if state.keys is not None and state.values is not None:
@@ -285,17 +311,19 @@ def _(state: QuantizedKV) -> Any:
 
 
 def _batch_quantized(state: QuantizedKV) -> Any:
-    plain = (state.key_pad, state.value_pad, state.rotation) == (0, 0, "none")
+    # seed included: a state keeps it even without a rotation, and this class cannot hold it
+    plain = (state.key_pad, state.value_pad, state.rotation, state.seed) == (0, 0, "none", 0)
     if not plain or (state.key_bits, state.key_group_size) != (
         state.value_bits,
         state.value_group_size,
     ):
         raise StateError(
             "to_mlx_vlm: mlx-vlm's BatchQuantizedKVCache has one bits and group_size for keys "
-            "and values and no padded channels or rotation; this QuantizedKV has "
+            "and values and no padded channels, rotation or seed; this QuantizedKV has "
             f"key_bits={state.key_bits}, value_bits={state.value_bits}, key_group_size="
             f"{state.key_group_size}, value_group_size={state.value_group_size}, key_pad="
-            f"{state.key_pad}, value_pad={state.value_pad}, rotation={state.rotation!r}"
+            f"{state.key_pad}, value_pad={state.value_pad}, rotation={state.rotation!r}, "
+            f"seed={state.seed}"
         )
     padding = fresh(state.left_padding)
     batch = vlm.BatchQuantizedKVCache.__new__(vlm.BatchQuantizedKVCache)
@@ -306,6 +334,30 @@ def _batch_quantized(state: QuantizedKV) -> Any:
     batch._right_padding = None
     return batch
 
+
+# Classes with no exact kind: from_mlx_vlm names the reason next to the supported list.
+REFUSED.update(
+    {
+        vlm.BufferedRotatingKVCache: (
+            "a linear sliding window with rollback slack (keys[:_idx] hold positions "
+            "start_position..offset-1, compacted past max_size + buffer_size, its own mask): "
+            "no kvstate kind holds that layout, and no mlx-vlm 0.7.10 model builds one"
+        ),
+        vlm.StaticPrefixKVCache: (
+            "a fixed-capacity buffer (max_size, step) with a read_only prefix mode and a "
+            "decoder_state that reads the whole allocation (llada2_moe, diffusion_gemma): "
+            "DenseKV holds none of max_size, step or read_only; not adapted yet"
+        ),
+        vlm.PoolingCache: (
+            "pooled (compressed) keys plus a remainder buffer and gate (deepseek_v4, "
+            "glm5_next): no kvstate kind holds pooled keys"
+        ),
+        vlm.BatchPoolingCache: (
+            "the batched PoolingCache (pooled keys, remainder buffers and gates per row): "
+            "no kvstate kind holds pooled keys"
+        ),
+    }
+)
 
 # A capturing forward finds mlx-vlm's recurrent caches as it finds mlx-lm's.
 _capture.LIST_CACHES += (vlm.CacheList,)

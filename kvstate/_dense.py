@@ -1,4 +1,5 @@
-"""DenseKV: KVCache, BatchKVCache and ConcatenateKVCache as one state kind."""
+"""DenseKV: KVCache, BatchKVCache, ConcatenateKVCache (and mlx-vlm's SimpleKVCache) as one
+state kind."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ class DenseKV(State):
     length: int = static_field(default=0)
     appended: int = static_field(default=0)
     concatenate: bool = static_field(default=False)  # unpadded form: ConcatenateKVCache
+    # The same unpadded form, given back as mlx-vlm's SimpleKVCache (florence2 and
+    # nemotron_parse call its update / fetch / cache_length, which ConcatenateKVCache lacks).
+    simple: bool = static_field(default=False)
+
+    @staticmethod
+    def __kvstate_upgrade__(statics: dict[str, Any], children: dict[str, Any]) -> Any:
+        """A file written before the `simple` flag: it held no SimpleKVCache form."""
+        if set(statics) != {"length", "appended", "concatenate"}:
+            return None
+        return {**statics, "simple": False}, children
 
 
 def used(a: mx.array, length: int) -> mx.array:
@@ -60,7 +71,7 @@ def padding_or_zeros(left_padding: mx.array | None, batch: int) -> mx.array:
 
 @problems.register
 def _(state: DenseKV, values: bool) -> list[str]:
-    found = typed_statics(state, length=0, appended=0, bools=("concatenate",))
+    found = typed_statics(state, length=0, appended=0, bools=("concatenate", "simple"))
     found += kv_pair_problems(state.keys, state.values)
     if found:
         return found
@@ -72,6 +83,8 @@ def _(state: DenseKV, values: bool) -> list[str]:
     found += static_int("appended", state.appended, 0, state.length)
     if state.concatenate and state.left_padding is not None:
         found.append("concatenate: the ConcatenateKVCache form has no left_padding")
+    if state.simple is True and state.concatenate is not True:
+        found.append("simple: the SimpleKVCache form is the concatenate form (concatenate=True)")
     if values and not found:
         # Before the first forward the padding only says how much of it will be padding.
         top = state.length if keys is not None else 2**31 - 1
@@ -237,7 +250,7 @@ def _pending_within(appended: int, held: int) -> int:
 @extract_row.register
 def _(state: DenseKV, row: int) -> DenseKV:
     if state.keys is None or state.values is None:
-        return DenseKV(concatenate=state.concatenate)
+        return DenseKV(concatenate=state.concatenate, simple=state.simple)
     start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
     keys = mx.contiguous(state.keys[row : row + 1, :, start : state.length])
     values = mx.contiguous(state.values[row : row + 1, :, start : state.length])
@@ -248,4 +261,5 @@ def _(state: DenseKV, row: int) -> DenseKV:
         length=length,
         appended=_pending_within(state.appended, length),
         concatenate=state.concatenate,
+        simple=state.simple,
     )

@@ -315,13 +315,21 @@ def forgetful(state: Any) -> Any:
     return attrs.evolve(state, **changes)
 
 
+def in_mlx_lm(state: Any) -> Any:
+    """What mlx-lm's classes cannot tell apart: it has no SimpleKVCache (mlx-vlm's), so a
+    DenseKV in that form comes back as the ConcatenateKVCache form holding the same arrays."""
+    if isinstance(state, ks.kinds.Composite):
+        return ks.kinds.with_parts(state, tuple(in_mlx_lm(s) for s in state.parts))
+    return attrs.evolve(state, simple=False) if isinstance(state, ks.DenseKV) else state
+
+
 @given(state=any_state())
 def test_adapters_round_trip_is_identity(state):
     """from_mlx_lm(to_mlx_lm(s)) == s field for field (bitwise), and shares no array
     object with s (a model's in-place write into a cache must not reach the state)."""
     caches = to_mlx_lm(state)
     back = from_mlx_lm(caches)
-    assert_identical(back, forgetful(state))
+    assert_identical(back, in_mlx_lm(forgetful(state)))
     ids = {id(a) for a in tree_flatten(state)[0]}
     assert not ids & {id(a) for a in tree_flatten(back)[0]}
 

@@ -95,8 +95,25 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "ChunkedKVCache": lambda lib: fed(lib.ChunkedKVCache(4), [3, 1]),
     "QuantizedKVCache": lambda lib: fed(lib.QuantizedKVCache(group_size=32, bits=4), [3, 1]),
     "BatchQuantizedKVCache": lambda lib: batch_quantized([1, 0], [3, 1]),
+    "SimpleKVCache empty": lambda lib: lib.SimpleKVCache(),
+    "SimpleKVCache": lambda lib: fed(lib.SimpleKVCache(), [3, 1, 2]),
+    "SimpleKVCache cross": lambda lib: cross_attention(lib),
 }
-ONLY_MLX_VLM = {"BatchQuantizedKVCache"}  # mlx-lm has no such class
+# mlx-lm has no such class
+ONLY_MLX_VLM = {
+    "BatchQuantizedKVCache",
+    "SimpleKVCache empty",
+    "SimpleKVCache",
+    "SimpleKVCache cross",
+}
+
+
+def cross_attention(lib: Any) -> Any:
+    """florence2's cross-attention cache: one update() with the encoder's keys."""
+    cache = lib.SimpleKVCache()
+    k = kv(6, 3)
+    cache.update(k, -k)
+    return cache
 
 
 def batch_quantized(left_padding: list[int], sizes: list[int], seed: int = 0) -> Any:
@@ -306,9 +323,83 @@ def test_batch_rotating_multi_token_mask_is_the_valid_keys(steps):
         assert not np.array_equal(theirs, np.broadcast_to(expected, theirs.shape))
 
 
+@pytest.mark.parametrize("kept", [0, 2, 3])
+def test_simple_kv_commit_prefix_equals_a_cache_fed_only_the_kept_tokens(kept):
+    """SimpleKVCache has no trim of its own: the oracle is mlx-vlm's update_and_fetch given
+    only the tokens commit_prefix keeps."""
+    cache = fed(V.SimpleKVCache(), [4])
+    before = from_mlx_vlm(copy.deepcopy(cache))
+    k = kv(3, 20)
+    cache.update_and_fetch(k, k - 1)
+    state = record_forward(from_cache(cache), before, 3)
+    assert state.simple and state.concatenate
+    expected = fed(V.SimpleKVCache(), [4])
+    if kept:
+        expected.update_and_fetch(k[..., :kept, :], (k - 1)[..., :kept, :])
+    back = to_mlx_vlm(ks.commit_prefix(state, kept))
+    assert type(back) is V.SimpleKVCache
+    assert_same(observed(back), observed(expected))
+    # and it keeps working as mlx-vlm's class: the next step appends after the kept tokens
+    assert_same(_update(back, 1, 30), _update(expected, 1, 30), "update_and_fetch")
+
+
+def test_simple_kv_whose_count_disagrees_with_its_arrays_is_refused():
+    cache = cross_attention(V)
+    cache.update(kv(2, 4), kv(2, 5))  # update() replaces the arrays but adds to the count
+    with pytest.raises(ks.StateError, match="holds 2 positions but its cache_length is 8"):
+        from_mlx_vlm(cache)
+
+
+def test_simple_flag_needs_the_concatenate_form():
+    k = kv(2, 1)
+    with pytest.raises(ks.StateError, match="simple: the SimpleKVCache form"):
+        ks.check(ks.DenseKV(k, k, length=2, simple=True))
+    # mlx-lm has no SimpleKVCache: its form there is ConcatenateKVCache, same content
+    state = from_mlx_vlm(fed(V.SimpleKVCache(), [3]))
+    assert type(to_mlx_lm(state)) is L.ConcatenateKVCache
+    assert_same(_np(to_mlx_lm(state).state), _np(to_mlx_vlm(state).state))
+
+
+def test_dense_kv_files_written_before_the_simple_flag_still_load(tmp_path):
+    """A DenseKV file without the `simple` static (older kvstate) loads as the same state."""
+    import hashlib
+    import json
+
+    k = kv(3, 2)
+    state = ks.DenseKV(k, -k, length=3, appended=1, concatenate=True)
+    path = str(tmp_path / "old.safetensors")
+    ks.save(path, state)
+    tensors, header = mx.load(path, return_metadata=True)
+    doc = json.loads(header["kvstate.body"])
+    assert doc["tree"]["statics"].pop("simple") is False
+    header["kvstate.body"] = json.dumps(doc)
+    header["kvstate.sha256"] = hashlib.sha256(header["kvstate.body"].encode()).hexdigest()
+    mx.save_safetensors(path, tensors, header)
+    assert_states_equal(ks.load(path), state)
+
+
 # ---------------------------------------------------------------------------------------
 # Errors and imports
 # ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: V.BufferedRotatingKVCache(8), "rollback slack"),
+        (lambda: V.StaticPrefixKVCache(8), "read_only"),
+        (lambda: V.PoolingCache(4), "pooled"),
+        (lambda: V.BatchPoolingCache(4, [0]), "pooled"),
+    ],
+)
+def test_refused_classes_say_why_and_what_is_supported(make, reason):
+    cache = make()
+    with pytest.raises(ks.StateError) as err:
+        from_mlx_vlm([cache])
+    message = str(err.value)
+    assert f"mlx_vlm.models.cache.{type(cache).__qualname__} (" in message
+    assert reason in message.split("; supported: ")[0]
+    assert "SimpleKVCache" in message.split("mlx_vlm.models.cache: ")[1]
 
 
 def test_unsupported_classes_say_what_is_supported():

@@ -79,12 +79,14 @@ def dense_kv_states(
     max_length: int = 12,
     empty: Knob = None,
     concatenate: Knob = None,
+    simple: Knob = None,
     appended: Knob = None,
 ) -> DenseKV:
     """A `DenseKV`.
 
     Draws: batch in 1..3; padded (batched form with `left_padding` (B,), as BatchKVCache) or
-    not (KVCache, or ConcatenateKVCache when `concatenate`); heads in 1..2; key and value
+    not (KVCache, or ConcatenateKVCache when `concatenate`, or mlx-vlm's SimpleKVCache when
+    also `simple`); heads in 1..2; key and value
     head dims in {2, 4, 8} (they may differ); dtype in `DTYPES`; length in 0..max_length
     (0 with `empty=True`, which gives `keys is None`); per-row left padding in
     0..length-appended; spare capacity past `length` (none for the concatenate form);
@@ -101,12 +103,13 @@ def dense_kv_states(
     appended = _knob(draw, appended, st.none())
     empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
     concatenate = False if padded else _knob(draw, concatenate, st.booleans())
+    simple = concatenate and _knob(draw, simple, st.booleans())
     if empty:
         if padded:
             return DenseKV(left_padding=mx.zeros((batch,), mx.int32))
         if batch != 1:  # an empty unpadded state has no batch axis: it is batch 1
             return DenseKV(left_padding=mx.zeros((batch,), mx.int32))
-        return DenseKV(concatenate=concatenate)
+        return DenseKV(concatenate=concatenate, simple=simple)
     length = draw(st.integers(max(1, appended or 0), max(max_length, appended or 0)))
     top = length - (appended or 1)  # every row holds its appended tokens (and >= 1 token)
     if padded:
@@ -121,7 +124,13 @@ def dense_kv_states(
     values = _noise(seed + 1, (batch, heads, capacity, v_dim), dtype)
     left_padding = mx.array(paddings, mx.int32) if padded else None
     return DenseKV(
-        keys, values, left_padding, length=length, appended=appended, concatenate=concatenate
+        keys,
+        values,
+        left_padding,
+        length=length,
+        appended=appended,
+        concatenate=concatenate,
+        simple=simple,
     )
 
 
