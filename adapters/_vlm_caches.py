@@ -225,7 +225,9 @@ def _(state: DenseKV) -> Any:
         return batch
     if state.simple:
         simple = vlm.SimpleKVCache()
-        if state.keys is not None and state.values is not None:
+        # No tokens is `keys is None` there: florence2's cross-attention reads a cache whose
+        # keys are not None as filled, so a state committed back to 0 gives a fresh cache.
+        if state.keys is not None and state.values is not None and state.length > 0:
             simple.keys = state.keys[..., : state.length, :]
             simple.values = state.values[..., : state.length, :]
         simple.cache_length = state.length

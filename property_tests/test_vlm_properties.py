@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from hypothesis import assume, given
+from hypothesis import strategies as st
 
 pytest.importorskip("mlx_vlm")
 
@@ -13,6 +14,7 @@ import kvstate as ks
 from kvstate import tree_flatten
 from kvstate.adapters import from_mlx_lm, to_mlx_lm
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
+from kvstate.testing import accepted_counts, dense_kv_states
 from property_tests.test_properties import any_state, assert_identical, forgetful, in_mlx_lm
 
 
@@ -44,3 +46,35 @@ def test_mlx_vlm_round_trip_is_identity_and_matches_mlx_lm(state):
     if "QuantizedKV" not in repr(state):  # mlx-lm has no batched quantized class
         assert _names(caches) == _names(lm_caches)
         assert_identical(in_mlx_lm(back), from_mlx_lm(lm_caches))
+
+
+@given(
+    state=dense_kv_states(padded=False, concatenate=True, simple=True, max_length=6),
+    data=st.data(),
+)
+def test_simple_kv_round_trip_and_commit_prefix_match_mlx_vlm(state, data):
+    """A DenseKV in the SimpleKVCache form comes back from mlx-vlm unchanged, and
+    commit_prefix keeps what mlx-vlm's own SimpleKVCache holds when update_and_fetch is
+    given the settled positions and then only the kept part of the last forward."""
+    from mlx_vlm.models.cache import SimpleKVCache
+
+    assume(state.simple)  # an empty state of several rows is drawn in the padded form
+    cache = to_mlx_vlm(state)
+    assert type(cache) is SimpleKVCache
+    assert_identical(from_mlx_vlm(cache), forgetful(state))
+    kept = data.draw(accepted_counts(state, ragged=False))
+    committed = to_mlx_vlm(ks.commit_prefix(state, kept))
+    expected = SimpleKVCache()
+    if state.keys is not None and state.values is not None:
+        settled = state.length - state.appended
+        for start, stop in ((0, settled), (settled, settled + kept)):
+            if stop > start:
+                expected.update_and_fetch(
+                    state.keys[..., start:stop, :], state.values[..., start:stop, :]
+                )
+    assert type(committed) is SimpleKVCache
+    assert committed.cache_length == expected.cache_length
+    for ours, theirs in zip(committed.state, expected.state, strict=True):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            assert ours.dtype == theirs.dtype and (ours == theirs).all().item()
