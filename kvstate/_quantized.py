@@ -20,13 +20,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import DenseKV, commit_ragged, padding_or_zeros, used
+from ._dense import DenseKV, commit_ragged, used
 from ._errors import ConfigMismatchError, StateError, require
+from ._padded_rows import Layout, drop_shared_padding, extract_padded, merge_padded
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._rotating import RotatingKV
 from ._rotations import ROTATIONS, rotation_problems
-from ._shared import kv_config, shared_appended
-from ._tree import State, host_ints, replace
+from ._shared import kv_config
+from ._tree import State, replace
 from ._validation import (
     array_problems,
     ints_within,
@@ -146,6 +147,8 @@ def _with_arrays(state: QuantizedKV, arrays: Sequence[mx.array], **changes: Any)
     a = list(arrays)
     return replace(state, keys=(a[0], a[1], a[2]), values=(a[3], a[4], a[5]), **changes)
 
+
+_LAYOUT = Layout(_arrays, lambda s: s.keys is None or s.values is None, _with_arrays)
 
 # ---------------------------------------------------------------------------- checks
 
@@ -309,72 +312,17 @@ def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
 
 @filter_rows.register
 def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
-    kept = take_rows(state, rows)
-    if kept.left_padding is None or kept.keys is None:
-        return kept
-    shared = min(host_ints(kept.left_padding))
-    if shared <= 0:
-        return kept
-    held = kept.length - shared
-    return _with_arrays(
-        kept,
-        [a[..., shared:, :] for a in _arrays(kept)],
-        left_padding=kept.left_padding - shared,
-        length=held,
-        appended=kept.appended if kept.appended <= held else 0,
-    )
+    return drop_shared_padding(_LAYOUT, take_rows(state, rows))
 
 
 @merge_states.register
 def _(first: QuantizedKV, rest: Sequence[QuantizedKV]) -> QuantizedKV:
-    states = [first, *rest]
-    length = max(s.length for s in states)
-    batches = [batch_size_of(s) for s in states]
-    left_padding = mx.concatenate(
-        [
-            padding_or_zeros(s.left_padding, b) + (length - s.length)
-            for s, b in zip(states, batches, strict=True)
-        ]
-    )
-    appended = shared_appended(states)
-    filled = [s for s in states if s.keys is not None and s.values is not None]
-    if not filled:
-        return replace(first, left_padding=left_padding, length=0, appended=appended)
-    like = filled[0]
-
-    def aligned(i: int) -> mx.array:
-        # One new buffer per array, each state's used positions right-aligned in its rows.
-        model = _arrays(like)[i]
-        out = mx.zeros((sum(batches), model.shape[1], length, model.shape[3]), model.dtype)
-        row = 0
-        for s, b in zip(states, batches, strict=True):
-            if s.keys is not None:
-                out[row : row + b, :, length - s.length :, :] = used(_arrays(s)[i], s.length)
-            row += b
-        return out
-
-    return _with_arrays(
-        like,
-        [aligned(i) for i in range(6)],
-        left_padding=left_padding,
-        length=length,
-        appended=appended,
-    )
+    return merge_padded(_LAYOUT, [first, *rest])
 
 
 @extract_row.register
 def _(state: QuantizedKV, row: int) -> QuantizedKV:
-    if state.keys is None or state.values is None:
-        return replace(state, left_padding=None, length=0, appended=0)
-    start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
-    held = state.length - start
-    return _with_arrays(
-        state,
-        [mx.contiguous(a[row : row + 1, :, start : state.length]) for a in _arrays(state)],
-        left_padding=None,
-        length=held,
-        appended=state.appended if state.appended <= held else 0,
-    )
+    return extract_padded(_LAYOUT, state, row)
 
 
 # ---------------------------------------------------------------------------- quantize

@@ -25,9 +25,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import commit_ragged, padding_or_zeros, used
-from ._shared import kv_config, shared_appended
-from ._tree import State, host_ints, replace
+from ._dense import commit_ragged
+from ._padded_rows import Layout, drop_shared_padding, extract_padded, merge_padded
+from ._shared import kv_config
+from ._tree import State, replace
 from ._validation import array_problems, ints_within, rows_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -97,6 +98,8 @@ def _with_arrays(state: TurboQuantKV, arrays: Sequence[mx.array], **changes: Any
 def _is_empty(state: TurboQuantKV) -> bool:
     return state.key_norms is None
 
+
+_LAYOUT = Layout(arrays_of, _is_empty, _with_arrays)
 
 # ---------------------------------------------------------------------------- checks
 
@@ -227,74 +230,19 @@ def _(state: TurboQuantKV, rows: tuple[int, ...]) -> TurboQuantKV:
 @filter_rows.register
 def _(state: TurboQuantKV, rows: tuple[int, ...]) -> TurboQuantKV:
     # Like BatchTurboQuantKVCache.filter: drop the padding every kept row shares.
-    kept = take_rows(state, rows)
-    if kept.left_padding is None or _is_empty(kept):
-        return kept
-    shared = min(host_ints(kept.left_padding))
-    if shared <= 0:
-        return kept
-    held = kept.length - shared
-    return _with_arrays(
-        kept,
-        [a[..., shared:, :] for a in arrays_of(kept)],
-        left_padding=kept.left_padding - shared,
-        length=held,
-        appended=kept.appended if kept.appended <= held else 0,
-    )
+    return drop_shared_padding(_LAYOUT, take_rows(state, rows))
 
 
 @merge_states.register
 def _(first: TurboQuantKV, rest: Sequence[TurboQuantKV]) -> TurboQuantKV:
-    # kvstate.merge has already refused states whose configs (codec, bits, seed, dims) differ.
-    states = [first, *rest]
-    length = max(s.length for s in states)
-    batches = [batch_size_of(s) for s in states]
-    left_padding = mx.concatenate(
-        [
-            padding_or_zeros(s.left_padding, b) + (length - s.length)
-            for s, b in zip(states, batches, strict=True)
-        ]
-    )
-    appended = shared_appended(states)
-    filled = [s for s in states if not _is_empty(s)]
-    if not filled:
-        return replace(first, left_padding=left_padding, length=0, appended=appended)
-    like = filled[0]
-
-    def aligned(i: int) -> mx.array:
-        # Each state's used positions right-aligned in its rows (BatchTurboQuantKVCache.extend
-        # pads its states on the left the same way, with zeros).
-        model = arrays_of(like)[i]
-        out = mx.zeros((sum(batches), model.shape[1], length, model.shape[3]), model.dtype)
-        row = 0
-        for s, b in zip(states, batches, strict=True):
-            if not _is_empty(s):
-                out[row : row + b, :, length - s.length :, :] = used(arrays_of(s)[i], s.length)
-            row += b
-        return out
-
-    return _with_arrays(
-        like,
-        [aligned(i) for i in range(4)],
-        left_padding=left_padding,
-        length=length,
-        appended=appended,
-    )
+    # kvstate.merge has already refused states whose configs (codec, bits, seed, dims) differ;
+    # BatchTurboQuantKVCache.extend pads its states on the left the same way, with zeros.
+    return merge_padded(_LAYOUT, [first, *rest])
 
 
 @extract_row.register
 def _(state: TurboQuantKV, row: int) -> TurboQuantKV:
-    if _is_empty(state):
-        return replace(state, left_padding=None, length=0, appended=0)
-    start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
-    held = state.length - start
-    return _with_arrays(
-        state,
-        [mx.contiguous(a[row : row + 1, :, start : state.length]) for a in arrays_of(state)],
-        left_padding=None,
-        length=held,
-        appended=state.appended if state.appended <= held else 0,
-    )
+    return extract_padded(_LAYOUT, state, row)
 
 
 __all__ = ["TURBOQUANT_BITS", "TURBOQUANT_CODECS", "TurboQuantKV", "index_width"]

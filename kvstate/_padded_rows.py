@@ -1,0 +1,91 @@
+"""Row transforms shared by the quantized KV kinds (QuantizedKV, TurboQuantKV): every array
+holds positions on axis 2, rows are left-padded, and row b's tokens are [left_padding[b],
+length). A kind describes how to list and rebuild its arrays (`Layout`); filter, merge and
+extract are then written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from ._dense import padding_or_zeros, used
+from ._shared import shared_appended
+from ._tree import host_ints, replace
+from .kinds import batch_size_of
+
+
+class Layout(NamedTuple):
+    arrays: Callable[[Any], list[mx.array]]  # a filled state's arrays, in a fixed order
+    empty: Callable[[Any], bool]  # no arrays yet (before the first forward)
+    rebuild: Callable[..., Any]  # rebuild(state, arrays, **changes): the same kind
+
+
+def drop_shared_padding(layout: Layout, kept: Any) -> Any:
+    """`kept` (rows already taken) without the left padding all its rows share."""
+    if kept.left_padding is None or layout.empty(kept):
+        return kept
+    shared = min(host_ints(kept.left_padding))
+    if shared <= 0:
+        return kept
+    held = kept.length - shared
+    return layout.rebuild(
+        kept,
+        [a[..., shared:, :] for a in layout.arrays(kept)],
+        left_padding=kept.left_padding - shared,
+        length=held,
+        appended=kept.appended if kept.appended <= held else 0,
+    )
+
+
+def merge_padded(layout: Layout, states: Sequence[Any]) -> Any:
+    """The rows of `states` (one configuration, checked by the caller), each state's used
+    positions right-aligned in new buffers, shorter ones left-padded."""
+    length = max(s.length for s in states)
+    batches = [batch_size_of(s) for s in states]
+    left_padding = mx.concatenate(
+        [
+            padding_or_zeros(s.left_padding, b) + (length - s.length)
+            for s, b in zip(states, batches, strict=True)
+        ]
+    )
+    appended = shared_appended(states)
+    filled = [s for s in states if not layout.empty(s)]
+    if not filled:
+        return replace(states[0], left_padding=left_padding, length=0, appended=appended)
+    like = layout.arrays(filled[0])
+
+    def aligned(i: int) -> mx.array:
+        model = like[i]
+        out = mx.zeros((sum(batches), model.shape[1], length, model.shape[3]), model.dtype)
+        row = 0
+        for s, b in zip(states, batches, strict=True):
+            if not layout.empty(s):
+                out[row : row + b, :, length - s.length :, :] = used(layout.arrays(s)[i], s.length)
+            row += b
+        return out
+
+    return layout.rebuild(
+        filled[0],
+        [aligned(i) for i in range(len(like))],
+        left_padding=left_padding,
+        length=length,
+        appended=appended,
+    )
+
+
+def extract_padded(layout: Layout, state: Any, row: int) -> Any:
+    """Row `row` alone, unpadded, in buffers of its own."""
+    if layout.empty(state):
+        return replace(state, left_padding=None, length=0, appended=0)
+    start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
+    held = state.length - start
+    return layout.rebuild(
+        state,
+        [mx.contiguous(a[row : row + 1, :, start : state.length]) for a in layout.arrays(state)],
+        left_padding=None,
+        length=held,
+        appended=state.appended if state.appended <= held else 0,
+    )
