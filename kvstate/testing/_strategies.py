@@ -60,6 +60,35 @@ _SEEDS = st.integers(0, 2**32 - 1)
 _MAYBE_EMPTY = st.sampled_from([False, False, True])
 
 
+def _padded_rows(
+    draw: Any,
+    batch: int,
+    padded: bool,
+    length: Knob,
+    empty: Knob,
+    appended: int | None,
+    max_length: int,
+) -> tuple[int, list[int], int] | None:
+    """For the left-padded KV kinds: None (draw an empty state), or the length, each row's
+    left padding and the tokens the last forward appended."""
+    if length is None:
+        is_empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
+    else:
+        is_empty = length == 0
+    if is_empty:
+        return None
+    length = _knob(draw, length, st.integers(max(1, appended or 0), max(max_length, appended or 0)))
+    top = length - (appended or 1)  # every row holds its appended tokens (and >= 1 token)
+    paddings = (
+        draw(st.lists(st.integers(0, top), min_size=batch, max_size=batch))
+        if padded
+        else [0] * batch
+    )
+    if appended is None:
+        appended = draw(st.integers(0, length - max(paddings)))
+    return length, paddings, appended
+
+
 # ---------------------------------------------------------------------------------------
 # Dense KV (KVCache, BatchKVCache, ConcatenateKVCache)
 # ---------------------------------------------------------------------------------------
@@ -241,23 +270,14 @@ def quantized_kv_states(
         rotation=rotation,
         seed=seed,
     )
-    if length is None:
-        empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
-    else:
-        empty = length == 0
-    if empty:
-        if padded or batch != 1:  # an empty state's batch lives in its left padding
-            return replace(spec, left_padding=mx.zeros((batch,), mx.int32))
-        return spec
-    length = _knob(draw, length, st.integers(max(1, appended or 0), max(max_length, appended or 0)))
-    top = length - (appended or 1)  # every row holds its appended tokens (and >= 1 token)
-    paddings = (
-        draw(st.lists(st.integers(0, top), min_size=batch, max_size=batch))
-        if padded
-        else [0] * batch
-    )
-    if appended is None:
-        appended = draw(st.integers(0, length - max(paddings)))
+    rows = _padded_rows(draw, batch, padded, length, empty, appended, max_length)
+    if rows is None:  # an empty state: its batch (if not 1) lives in its left padding
+        return (
+            replace(spec, left_padding=mx.zeros((batch,), mx.int32))
+            if padded or batch != 1
+            else spec
+        )
+    length, paddings, appended = rows
     capacity = length + draw(st.integers(0, 3))
     noise_seed = draw(_SEEDS)
     spec = replace(spec, key_pad=key_pad, value_pad=value_pad)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from .._tree import replace
 from .._turboquant import TurboQuantKV, index_width
-from ._strategies import _MAYBE_EMPTY, _SEEDS, Knob, _knob, strategy_for
+from ._strategies import _SEEDS, Knob, _knob, _padded_rows, strategy_for
 
 
 @strategy_for(TurboQuantKV)
@@ -50,23 +50,14 @@ def turboquant_kv_states(
     padded = _knob(draw, padded, st.booleans())
     appended = _knob(draw, appended, st.none())
     spec = TurboQuantKV(key_bits=key_bits, value_bits=value_bits, seed=seed)
-    if length is None:
-        empty = False if appended else _knob(draw, empty, _MAYBE_EMPTY)
-    else:
-        empty = length == 0
-    if empty:
-        if padded or batch != 1:  # an empty state's batch lives in its left padding
-            return replace(spec, left_padding=mx.zeros((batch,), mx.int32))
-        return spec
-    length = _knob(draw, length, st.integers(max(1, appended or 0), max(max_length, appended or 0)))
-    top = length - (appended or 1)  # every row holds its appended tokens (and >= 1 token)
-    paddings = (
-        draw(st.lists(st.integers(0, top), min_size=batch, max_size=batch))
-        if padded
-        else [0] * batch
-    )
-    if appended is None:
-        appended = draw(st.integers(0, length - max(paddings)))
+    rows = _padded_rows(draw, batch, padded, length, empty, appended, max_length)
+    if rows is None:  # an empty state: its batch (if not 1) lives in its left padding
+        return (
+            replace(spec, left_padding=mx.zeros((batch,), mx.int32))
+            if padded or batch != 1
+            else spec
+        )
+    length, paddings, appended = rows
     rng = np.random.default_rng(draw(_SEEDS))
     shape = (batch, heads, length + draw(st.integers(0, 3)))
 
