@@ -14,13 +14,20 @@ import mlx.core as mx
 from ._dense import padding_or_zeros, used
 from ._shared import shared_appended
 from ._tree import host_ints, replace
-from .kinds import batch_size_of
+from .kinds import batch_size_of, extract_row, filter_rows, merge_states, take_rows
 
 
 class Layout(NamedTuple):
     arrays: Callable[[Any], list[mx.array]]  # a filled state's arrays, in a fixed order
     empty: Callable[[Any], bool]  # no arrays yet (before the first forward)
     rebuild: Callable[..., Any]  # rebuild(state, arrays, **changes): the same kind
+
+
+def register(cls: type, layout: Layout) -> None:
+    """Register filter, merge and extract for the kind `cls`, laid out as `layout` says."""
+    filter_rows.register(cls, lambda s, rows: drop_shared_padding(layout, take_rows(s, rows)))
+    merge_states.register(cls, lambda first, rest: merge_padded(layout, [first, *rest]))
+    extract_row.register(cls, lambda s, row: extract_padded(layout, s, row))
 
 
 def drop_shared_padding(layout: Layout, kept: Any) -> Any:

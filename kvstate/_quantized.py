@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from ._dense import DenseKV, commit_ragged, used
 from ._errors import ConfigMismatchError, StateError, require
-from ._padded_rows import Layout, drop_shared_padding, extract_padded, merge_padded
+from ._padded_rows import Layout
+from ._padded_rows import register as register_padded_rows
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._rotating import RotatingKV
 from ._rotations import ROTATIONS, rotation_problems
@@ -42,10 +43,7 @@ from .kinds import (
     batch_size_of,
     commit_rows,
     config_of,
-    extract_row,
-    filter_rows,
     fit_config_of,
-    merge_states,
     problems,
     state_class,
     static_field,
@@ -310,19 +308,8 @@ def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
     )
 
 
-@filter_rows.register
-def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
-    return drop_shared_padding(_LAYOUT, take_rows(state, rows))
-
-
-@merge_states.register
-def _(first: QuantizedKV, rest: Sequence[QuantizedKV]) -> QuantizedKV:
-    return merge_padded(_LAYOUT, [first, *rest])
-
-
-@extract_row.register
-def _(state: QuantizedKV, row: int) -> QuantizedKV:
-    return extract_padded(_LAYOUT, state, row)
+# filter, merge, extract: kvstate._padded_rows.
+register_padded_rows(QuantizedKV, _LAYOUT)
 
 
 # ---------------------------------------------------------------------------- quantize

@@ -26,7 +26,8 @@ from typing import Any
 import mlx.core as mx
 
 from ._dense import commit_ragged
-from ._padded_rows import Layout, drop_shared_padding, extract_padded, merge_padded
+from ._padded_rows import Layout
+from ._padded_rows import register as register_padded_rows
 from ._shared import kv_config
 from ._tree import State, replace
 from ._validation import array_problems, ints_within, rows_problems, static_int, typed_statics
@@ -35,10 +36,7 @@ from .kinds import (
     batch_size_of,
     commit_rows,
     config_of,
-    extract_row,
-    filter_rows,
     fit_config_of,
-    merge_states,
     problems,
     state_class,
     static_field,
@@ -227,22 +225,9 @@ def _(state: TurboQuantKV, rows: tuple[int, ...]) -> TurboQuantKV:
     return _with_arrays(state, [a[index] for a in arrays_of(state)], left_padding=left_padding)
 
 
-@filter_rows.register
-def _(state: TurboQuantKV, rows: tuple[int, ...]) -> TurboQuantKV:
-    # Like BatchTurboQuantKVCache.filter: drop the padding every kept row shares.
-    return drop_shared_padding(_LAYOUT, take_rows(state, rows))
-
-
-@merge_states.register
-def _(first: TurboQuantKV, rest: Sequence[TurboQuantKV]) -> TurboQuantKV:
-    # kvstate.merge has already refused states whose configs (codec, bits, seed, dims) differ;
-    # BatchTurboQuantKVCache.extend pads its states on the left the same way, with zeros.
-    return merge_padded(_LAYOUT, [first, *rest])
-
-
-@extract_row.register
-def _(state: TurboQuantKV, row: int) -> TurboQuantKV:
-    return extract_padded(_LAYOUT, state, row)
+# filter, merge, extract: kvstate._padded_rows (merge pads on the left with zeros, as
+# BatchTurboQuantKVCache.extend does; kvstate.merge has already refused mixed configs).
+register_padded_rows(TurboQuantKV, _LAYOUT)
 
 
 __all__ = ["TURBOQUANT_BITS", "TURBOQUANT_CODECS", "TurboQuantKV", "index_width"]
