@@ -26,7 +26,7 @@ def _(cache: BatchKVCache, appended: int = 0) -> DenseKV:
         # Between prepare(right_padding=...) and finalize() the rows are right-padded; a
         # DenseKV is left-padded only, and finalize() would find nothing to roll.
         raise StateError(
-            "from_mlx_lm: this BatchKVCache is between prepare() and finalize() "
+            "converting a cache: this BatchKVCache is between prepare() and finalize() "
             f"(_right_padding = {right_padding.tolist()}); call cache.finalize() after the "
             "padded prompt forward, then convert (kvstate.adapters.wrap(model)(tokens, state, "
             "lengths=...) runs that whole phase for you)"

@@ -61,7 +61,7 @@ def _(cache: BatchRotatingKVCache, appended: int = 0) -> RotatingKV:
     if lengths is not None:
         # `_lengths` only lives between prepare() and finalize() of a right-padded prompt.
         raise StateError(
-            "from_mlx_lm: this BatchRotatingKVCache is between prepare() and finalize() "
+            "converting a cache: this BatchRotatingKVCache is between prepare() and finalize() "
             f"(_lengths = {lengths.tolist()}); call cache.finalize() after the padded "
             "prompt forward, then convert"
         )

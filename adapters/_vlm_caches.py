@@ -47,22 +47,12 @@ from kvstate import (
 )
 
 from . import _capture
-from ._convert import _FROM, REFUSED, fresh, from_cache, register_from, to_cache
+from ._convert import _FROM, REFUSED, fresh, register_from, to_cache
 from ._rotating import fixed_make_mask
 
 # ---------------------------------------------------------------------------------------
 # cache -> state
 # ---------------------------------------------------------------------------------------
-
-
-@register_from(vlm.KVCache)
-def _(cache: vlm.KVCache, appended: int = 0) -> DenseKV:
-    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended)
-
-
-@register_from(vlm.ConcatenateKVCache)
-def _(cache: vlm.ConcatenateKVCache, appended: int = 0) -> DenseKV:
-    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended, True)
 
 
 @register_from(vlm.SimpleKVCache)
@@ -77,55 +67,6 @@ def _(cache: vlm.SimpleKVCache, appended: int = 0) -> DenseKV:
         )
     return DenseKV(
         fresh(cache.keys), fresh(cache.values), None, held, appended, concatenate=True, simple=True
-    )
-
-
-@register_from(vlm.BatchKVCache)
-def _(cache: vlm.BatchKVCache, appended: int = 0) -> DenseKV:
-    right_padding = getattr(cache, "_right_padding", None)
-    if right_padding is not None:
-        raise StateError(
-            "from_mlx_vlm: this BatchKVCache is between prepare() and finalize() "
-            f"(_right_padding = {right_padding.tolist()}); call cache.finalize() after the "
-            "padded prompt forward, then convert"
-        )
-    return DenseKV(
-        fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), cache._idx, appended
-    )
-
-
-@register_from(vlm.RotatingKVCache)
-def _(cache: vlm.RotatingKVCache, appended: int = 0) -> RotatingKV:
-    return RotatingKV(
-        fresh(cache.keys),
-        fresh(cache.values),
-        max_size=cache.max_size,
-        keep=cache.keep,
-        offset=cache.offset,
-        index=cache._idx,
-        appended=appended,
-    )
-
-
-@register_from(vlm.BatchRotatingKVCache)
-def _(cache: vlm.BatchRotatingKVCache, appended: int = 0) -> RotatingKV:
-    lengths = getattr(cache, "_lengths", None)
-    if lengths is not None:
-        raise StateError(
-            "from_mlx_vlm: this BatchRotatingKVCache is between prepare() and finalize() "
-            f"(_lengths = {lengths.tolist()}); call cache.finalize() after the padded "
-            "prompt forward, then convert"
-        )
-    return RotatingKV(
-        fresh(cache.keys),
-        fresh(cache.values),
-        fresh(cache.left_padding),
-        fresh(cache.offset),
-        max_size=cache.max_size,
-        offset=cache._offset,
-        index=cache._idx,
-        rotated=cache.rotated,
-        appended=appended,
     )
 
 
@@ -145,27 +86,19 @@ def _(cache: vlm.ArraysCache, appended: int = 0) -> RecurrentState:
     )
 
 
-@register_from(vlm.CacheList)
-def _(cache: vlm.CacheList, appended: int = 0) -> ListState:
-    return ListState(tuple(from_cache(c, appended) for c in cache.caches))
-
-
-@register_from(vlm.ChunkedKVCache)
-def _(cache: vlm.ChunkedKVCache, appended: int = 0) -> ChunkedKV:
-    return ChunkedKV(
-        fresh(cache.keys),
-        fresh(cache.values),
-        chunk_size=cache.chunk_size,
-        offset=cache.offset,
-        start_position=cache.start_position,
-        appended=appended,
-    )
-
-
-# mlx-vlm's QuantizedKVCache holds mlx-lm's fields (keys / values triples, offset,
-# group_size, bits): kvstate's mlx-lm converter reads it as it is (the quantized kinds are
-# adapters/_quantized.py's; this module only borrows them).
-_FROM[vlm.QuantizedKVCache] = _FROM[lm.QuantizedKVCache]
+# These mlx-vlm classes hold mlx-lm's fields with mlx-lm's meaning (the tests compare them
+# field for field): kvstate's mlx-lm converters read them as they are.
+for _name in (
+    "KVCache",
+    "ConcatenateKVCache",
+    "BatchKVCache",
+    "RotatingKVCache",
+    "BatchRotatingKVCache",
+    "CacheList",
+    "ChunkedKVCache",
+    "QuantizedKVCache",
+):
+    _FROM[getattr(vlm, _name)] = _FROM[getattr(lm, _name)]
 
 
 def _triple(q: Any) -> Any:
