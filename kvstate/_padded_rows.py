@@ -1,7 +1,8 @@
-"""Row transforms shared by the quantized KV kinds (QuantizedKV, TurboQuantKV): every array
-holds positions on axis 2, rows are left-padded, and row b's tokens are [left_padding[b],
-length). A kind describes how to list and rebuild its arrays (`Layout`); filter, merge and
-extract are then written once, here.
+"""What the quantized KV kinds (QuantizedKV, TurboQuantKV) share: every array holds
+positions on axis 2, rows are left-padded, row b's tokens are [left_padding[b], length), and
+the layer stands in for the DenseKV a model's cache factory makes. A kind describes how to
+list and rebuild its arrays (`Layout`); batch size, fit, filter, merge and extract are then
+written once, here.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from ._dense import padding_or_zeros, used
-from ._shared import shared_appended
+from ._shared import kv_config, shared_appended
 from ._tree import host_ints, replace
-from .kinds import batch_size_of, extract_row, filter_rows, merge_states, take_rows
+from .kinds import (
+    batch_size_of,
+    config_of,
+    extract_row,
+    filter_rows,
+    fit_config_of,
+    merge_states,
+    take_rows,
+)
 
 
 class Layout(NamedTuple):
@@ -24,10 +33,25 @@ class Layout(NamedTuple):
 
 
 def register(cls: type, layout: Layout) -> None:
-    """Register filter, merge and extract for the kind `cls`, laid out as `layout` says."""
+    """Register batch size, fit, filter, merge and extract for the kind `cls`, laid out as
+    `layout` says."""
+    batch_size_of.register(cls, lambda s: _batch_size(layout, s))
+    fit_config_of.register(cls, _fits_as_dense)
     filter_rows.register(cls, lambda s, rows: drop_shared_padding(layout, take_rows(s, rows)))
     merge_states.register(cls, lambda first, rest: merge_padded(layout, [first, *rest]))
     extract_row.register(cls, lambda s, row: extract_padded(layout, s, row))
+
+
+def _batch_size(layout: Layout, state: Any) -> int:
+    if state.left_padding is not None:
+        return int(state.left_padding.shape[0])
+    return 1 if layout.empty(state) else int(layout.arrays(state)[0].shape[0])
+
+
+def _fits_as_dense(state: Any) -> dict[str, Any]:
+    # A quantized layer stands in for the dense one a model's cache factory makes.
+    dense = config_of(state)
+    return kv_config("DenseKV", None, dense["kv_heads"], dense["key_dim"], dense["value_dim"])
 
 
 def drop_shared_padding(layout: Layout, kept: Any) -> Any:

@@ -43,7 +43,6 @@ from .kinds import (
     batch_size_of,
     commit_rows,
     config_of,
-    fit_config_of,
     problems,
     state_class,
     static_field,
@@ -232,20 +231,6 @@ def _triple_problems(name: str, q: Any, codec: Codec) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- configs
-
-
-@fit_config_of.register
-def _(state: QuantizedKV) -> dict[str, Any]:
-    # A quantized layer stands in for the dense one a model's cache factory makes.
-    dense = config_of(state)
-    return kv_config("DenseKV", None, dense["kv_heads"], dense["key_dim"], dense["value_dim"])
-
-
-@batch_size_of.register
-def _(state: QuantizedKV) -> int:
-    if state.left_padding is not None:
-        return int(state.left_padding.shape[0])
-    return int(state.keys[0].shape[0]) if state.keys is not None else 1
 
 
 @config_of.register

@@ -36,7 +36,6 @@ from .kinds import (
     batch_size_of,
     commit_rows,
     config_of,
-    fit_config_of,
     problems,
     state_class,
     static_field,
@@ -179,20 +178,6 @@ def _(state: TurboQuantKV) -> dict[str, Any]:
     return kv_config(
         "TurboQuantKV", state.key_norms.dtype, heads, state.key_dim, state.value_dim, **statics
     )
-
-
-@fit_config_of.register
-def _(state: TurboQuantKV) -> dict[str, Any]:
-    # A TurboQuant layer stands in for the dense one a model's cache factory makes.
-    dense = config_of(state)
-    return kv_config("DenseKV", None, dense["kv_heads"], dense["key_dim"], dense["value_dim"])
-
-
-@batch_size_of.register
-def _(state: TurboQuantKV) -> int:
-    if state.left_padding is not None:
-        return int(state.left_padding.shape[0])
-    return int(state.key_norms.shape[0]) if state.key_norms is not None else 1
 
 
 # ---------------------------------------------------------------------------- commit
