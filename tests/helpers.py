@@ -9,6 +9,8 @@ import numpy as np
 from mlx_lm.generate import _merge_caches, _right_pad_prompts, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+import kvstate as ks
+
 
 def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
     """mlx-lm's own greedy decode: the oracle for token equality."""
@@ -75,3 +77,33 @@ def assert_teacher_forced_logits_match(
         logits, state = wrapped(mx.array([tokens[at : at + size]]), state)
         np.testing.assert_allclose(np.array(logits), ref, rtol=tol, atol=tol)
         at += size
+
+
+def speculate_with_corrupted_oracle(
+    m: Any, prompt: list[int], ref: list[int], n: int, k: int = 4, vocab: int = 256
+) -> tuple[list[int], list[int]]:
+    """A draft-and-verify loop through `m` (a wrapped model): drafts are the reference's next
+    tokens, about a third of them corrupted; each round verifies with capture=True and keeps
+    the agreeing prefix with commit_prefix. Returns (the first n emitted tokens, the commit
+    length of every round)."""
+    rng = np.random.default_rng(0)
+    logits, state = m(mx.array([prompt]), m.init_state())
+    y = int(logits[0, -1].argmax().item())
+    out: list[int] = []
+    accepted: list[int] = []
+    while len(out) < n:
+        out.append(y)
+        at = len(out)
+        draft = [
+            ref[at + i] if rng.random() < 0.67 else (ref[at + i] + 1) % vocab for i in range(k - 1)
+        ]
+        logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
+        preds = np.array(logits[0].argmax(-1)).tolist()
+        ok = 0
+        while ok < k - 1 and draft[ok] == preds[ok]:
+            ok += 1
+        state = ks.commit_prefix(verified, 1 + ok, checkpoints)
+        accepted.append(1 + ok)
+        out.extend(draft[:ok])
+        y = preds[ok]
+    return out[:n], accepted

@@ -14,7 +14,11 @@ from kvstate.adapters import _forward as forward_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.testing import assert_states_allclose, assert_states_equal, frozen_copy
-from tests.helpers import assert_teacher_forced_logits_match, greedy_reference
+from tests.helpers import (
+    assert_teacher_forced_logits_match,
+    greedy_reference,
+    speculate_with_corrupted_oracle,
+)
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8]
 DRAFT = [11, 12, 13, 14]
@@ -193,28 +197,9 @@ def test_speculative_greedy_decode_equals_generate_step(model, path):
     through capture + commit_prefix emits exactly mlx-lm's greedy tokens."""
     n, k = 36, 4
     ref = greedy_reference(model, PROMPT, n + k)
-    rng = np.random.default_rng(0)
-    m = wrap(model)
-    logits, state = m(mx.array([PROMPT]), m.init_state())
-    y = int(logits[0, -1].argmax().item())
-    out, accepted_counts = [], []
-    while len(out) < n:
-        out.append(y)
-        at = len(out)
-        draft = [
-            ref[at + i] if rng.random() < 0.67 else (ref[at + i] + 1) % VOCAB for i in range(k - 1)
-        ]
-        logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
-        preds = np.array(logits[0].argmax(-1)).tolist()
-        ok = 0
-        while ok < k - 1 and draft[ok] == preds[ok]:
-            ok += 1
-        state = ks.commit_prefix(verified, 1 + ok, checkpoints)
-        accepted_counts.append(1 + ok)
-        out.extend(draft[:ok])
-        y = preds[ok]
-    assert out[:n] == ref[:n]
-    assert len(set(accepted_counts)) >= 3, "the drafts should exercise several commit lengths"
+    out, accepted = speculate_with_corrupted_oracle(wrap(model), PROMPT, ref, n, k, VOCAB)
+    assert out == ref[:n]
+    assert len(set(accepted)) >= 3, "the drafts should exercise several commit lengths"
 
 
 def first_recurrent(state):

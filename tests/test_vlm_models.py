@@ -18,6 +18,7 @@ from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB
 from kvstate.adapters.vlm import VLMWrappedModel, from_mlx_vlm
 from kvstate.kinds import config_of
+from tests.helpers import speculate_with_corrupted_oracle
 from tests.vlm_helpers import (
     IMAGE_TOKEN,
     IMAGE_TOKENS,
@@ -250,27 +251,8 @@ def test_speculative_decode_with_capture_and_commit_equals_mlx_vlm_generate(lang
     commit_prefix emits exactly mlx-vlm's greedy tokens."""
     n, k = 24, 4
     ref, _ = vlm_generate(language_model, PROMPT, n + k)
-    rng = np.random.default_rng(0)
-    m = wrap(language_model)
-    logits, state = m(mx.array([PROMPT]), m.init_state())
-    y = int(logits[0, -1].argmax().item())
-    out, accepted = [], []
-    while len(out) < n:
-        out.append(y)
-        at = len(out)
-        draft = [
-            ref[at + i] if rng.random() < 0.67 else (ref[at + i] + 1) % VOCAB for i in range(k - 1)
-        ]
-        logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
-        preds = np.array(logits[0].argmax(-1)).tolist()
-        ok = 0
-        while ok < k - 1 and draft[ok] == preds[ok]:
-            ok += 1
-        state = ks.commit_prefix(verified, 1 + ok, checkpoints)
-        accepted.append(1 + ok)
-        out.extend(draft[:ok])
-        y = preds[ok]
-    assert out[:n] == ref[:n]
+    out, accepted = speculate_with_corrupted_oracle(wrap(language_model), PROMPT, ref, n, k, VOCAB)
+    assert out == ref[:n]
     assert len(set(accepted)) >= 3, "the drafts should exercise several commit lengths"
 
 
