@@ -12,6 +12,7 @@ update_and_fetch / trim / make_mask / filter / extend / extract against the stat
     CacheList                                  -> ListState
     ChunkedKVCache                             -> ChunkedKV
     QuantizedKVCache, BatchQuantizedKVCache    -> QuantizedKV
+    PoolingCache, BatchPoolingCache            -> PooledKV (_vlm_pooling)
 
 mlx-vlm's ArraysCache reads `left_padding` / `lengths` through properties that subtract an
 `advance` counter (its `advance()` no longer edits the arrays in place): the state takes the
@@ -19,8 +20,8 @@ effective values and the cache made back starts with a zero counter. A cache in 
 mlx-vlm's own speculation transaction (`start_speculation` without commit or abort) is
 refused: its arrays are a tentative future that only that transaction can settle.
 
-Refused, with the reason (`REFUSED`): BufferedRotatingKVCache, StaticPrefixKVCache,
-PoolingCache, BatchPoolingCache (no kind holds their layout exactly).
+Refused, with the reason (`REFUSED`): BufferedRotatingKVCache, StaticPrefixKVCache
+(no kind holds their layout exactly).
 
 `to_vlm_cache` gives mlx-vlm classes back; `_convert.to_cache` keeps giving mlx-lm's.
 This module imports mlx_vlm: only `kvstate.adapters.vlm` (and a lazy lookup in `_convert`
@@ -283,14 +284,6 @@ REFUSED.update(
             "decoder_state that reads the whole allocation (llada2_moe, diffusion_gemma): "
             "DenseKV holds none of max_size, step or read_only; not adapted yet"
         ),
-        vlm.PoolingCache: (
-            "pooled (compressed) keys plus a remainder buffer and gate (deepseek_v4, "
-            "glm5_next): no kvstate kind holds pooled keys"
-        ),
-        vlm.BatchPoolingCache: (
-            "the batched PoolingCache (pooled keys, remainder buffers and gates per row): "
-            "no kvstate kind holds pooled keys"
-        ),
     }
 )
 
@@ -304,3 +297,10 @@ from kvstate import TurboQuantKV  # noqa: E402
 from ._vlm_turboquant import to_turboquant_cache  # noqa: E402
 
 to_vlm_cache.register(TurboQuantKV, to_turboquant_cache)
+
+# PoolingCache / BatchPoolingCache (deepseek_v4, glm5_next) register their converters there.
+from kvstate import PooledKV  # noqa: E402
+
+from ._vlm_pooling import to_pooling_cache  # noqa: E402
+
+to_vlm_cache.register(PooledKV, to_pooling_cache)

@@ -23,6 +23,7 @@ from ._errors import (
     TokenError,
 )
 from ._io import load, save
+from ._pooled import PooledKV
 from ._quantized import QuantizedKV, packed_width, quantize
 from ._quantized_attention import quantized_attention
 from ._recurrent import RecurrentState
@@ -57,6 +58,7 @@ __all__ = [
     "ListState",
     "ModelState",
     "PlacementError",
+    "PooledKV",
     "QuantizedKV",
     "RecurrentState",
     "RotatingKV",

@@ -210,11 +210,31 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         ]
     if isinstance(state, ks.RotatingKV):
         return _rotating_meaning(state, batch, history)
+    if isinstance(state, ks.PooledKV):
+        return _pooled_meaning(state, batch, history)
     if isinstance(state, (ks.ListState, ks.ModelState)):
         parts = state.states if isinstance(state, ks.ListState) else state.layers
         per_part = [meaning(p, history=history) for p in parts]
         return [tuple(p[r] for p in per_part) for r in range(batch)]
     raise NotImplementedError(type(state).__name__)
+
+
+def _pooled_meaning(state: ks.PooledKV, batch: int, history: bool) -> list[Any]:
+    """Per row: its pooled tokens, the remainder window's raw inputs, the padding its next
+    inputs carry; with `history`, the row before the pending forward."""
+    from kvstate._pooled import rows_of
+
+    prev: list[Any] = [None] * batch
+    if history and state.previous is not None:
+        prev = _pooled_meaning(state.previous, batch, False)
+    found = []
+    for b, (rem, pool, pad) in enumerate(rows_of(state, batch)):
+        pooled = bits(state.pooled[b, :pool]) if pool and state.pooled is not None else None
+        kv = gate = None
+        if rem and state.buf_kv is not None and state.buf_gate is not None:
+            kv, gate = bits(state.buf_kv[b, :rem]), bits(state.buf_gate[b, :rem])
+        found.append(("pooled", state.ratio, pool, pooled, rem, kv, gate, pad, prev[b]))
+    return found
 
 
 def _pads(left_padding: mx.array | None, batch: int) -> list[int]:

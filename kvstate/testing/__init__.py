@@ -34,6 +34,7 @@ A new kind registers its strategy with `strategy_for(Kind)`; `layer_states` then
 """
 
 from ._assertions import assert_states_allclose, assert_states_equal, frozen_copy
+from ._pooled_strategy import pooled_kv_states
 from ._strategies import (
     DTYPES,
     QUANT_BITS,
@@ -69,6 +70,7 @@ __all__ = [
     "layer_states",
     "list_states",
     "model_states",
+    "pooled_kv_states",
     "quantized_kv_states",
     "recurrent_checkpoints",
     "recurrent_states",
