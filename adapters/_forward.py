@@ -31,6 +31,7 @@ class Forward(NamedTuple):
     state: ModelState
     checkpoints: Any  # None unless capture=True
     hidden: mx.array | None = None  # (B, K, D) when projections were given
+    caches: list[Any] | None = None  # the cache objects the model ran on, now holding `state`
 
 
 def run(
@@ -43,15 +44,19 @@ def run(
     mixers: list[tuple[nn.Module, Mixer]] | None = None,
     convert: Callable[[Any], Any] = to_cache,
     projections: list[Projection] | None = None,
+    caches: list[Any] | None = None,
 ) -> Forward:
     """Run `tokens` (B, K) through `model` from `state` (both already checked).
 
     With `capture`, `mixers` are the model's known mixer instances (`_capture.known_mixers`).
     `model(tokens, cache=caches)` returns the logits; `convert` makes its cache objects
     (mlx-lm's by default; `_vlm_wrap` passes mlx-vlm's). With `projections` (the model's
-    `_hidden.output_projections`), also the input of its output projection.
+    `_hidden.output_projections`), also the input of its output projection. `caches`: cache
+    objects that already hold exactly `state` (those a previous plain forward returned), used
+    instead of converting it.
     """
-    caches = [convert(layer) for layer in state.layers]
+    if caches is None:
+        caches = [convert(layer) for layer in state.layers]
     if needs_routing(model, caches):  # a QuantizedKV that only kvstate's attention reads
         route_attention(model)
     width = tokens.shape[1]
@@ -78,7 +83,7 @@ def run(
     pairs = zip(caches, state.layers, strict=True)
     new = ModelState(tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs))
     if not capture:
-        return Forward(logits, new, None, hidden)
+        return Forward(logits, new, None, hidden, caches)
     if records is not None and all(r.complete() for r in records):
         made = iter(records)
         checkpoints = _per_recurrent(

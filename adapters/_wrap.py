@@ -29,6 +29,7 @@ from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
 from ._forward import run
 from ._hidden import Projection, output_projections
+from ._kept import KeptCaches
 from ._placement import model_placement
 
 
@@ -57,6 +58,7 @@ class WrappedModel:
         self.placement, self.group = model_placement(model)
         self._mixers: list[tuple[nn.Module, Mixer]] | None = None  # found at the first capture
         self._projections: list[Projection] | None = None  # found at the first hidden=True
+        self._kept = KeptCaches()  # the last plain forward's caches (see `_kept`)
 
     def init_state(self, batch_size: int = 1) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own `make_cache`
@@ -132,9 +134,17 @@ class WrappedModel:
             self._mixers = known_mixers(self.model)
         if hidden:
             return self._with_hidden(tokens, bad, state, lengths, capture)
-        out = run(self.model, tokens, state, lengths=lengths, capture=capture, mixers=self._mixers)
+        if capture or lengths is not None:
+            mixers = self._mixers
+            out = run(self.model, tokens, state, lengths=lengths, capture=capture, mixers=mixers)
+            logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
+            return (logits, new, out.checkpoints) if capture else (logits, new)
+        # A plain forward (every decode step): from the caches of the last one when `state`
+        # is what that returned, and keep this one's for the next.
+        out = run(self.model, tokens, state, caches=self._kept.take(state))
         logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
-        return (logits, new, out.checkpoints) if capture else (logits, new)
+        self._kept.keep(new, out.caches)
+        return logits, new
 
     def _with_hidden(
         self,
