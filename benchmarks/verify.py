@@ -248,8 +248,10 @@ def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 
     plain_rate = n / decode_block(RawDecoder(model, prompt), n)
     say(f"\n## spec: {name}, context {context}, {n} tokens; plain greedy (raw mlx-lm, "
         f"pipelined) {plain_rate:.1f} tok/s\n")  # fmt: skip
-    say("| acceptance p | K | tokens/s | / plain greedy | tokens per round | ms per round: "
-        "build verify / wait for logits / commit |")
+    say(
+        "| acceptance p | K | tokens/s | / plain greedy | tokens per round | ms per round: "
+        "build verify / wait for logits / commit |"
+    )
     say("|---|---|---|---|---|---|")
     for p in (0.5, 0.8, 1.0):
         for k in (2, 4, 8):
@@ -277,7 +279,9 @@ def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 
                 rounds += 1
             mx.eval(ks.tree_flatten(state)[0])
             rate = produced / (time.perf_counter() - start)
-            split = " / ".join(f"{statistics.median(x) * 1e3:.2f}" for x in zip(*phases))
+            split = " / ".join(
+                f"{statistics.median(x) * 1e3:.2f}" for x in zip(*phases, strict=True)
+            )
             say(f"| {p} | {k} | {rate:.1f} | {rate / plain_rate:.2f} "
                 f"| {produced / (rounds - 2):.2f} | {split} |")  # fmt: skip
 
