@@ -357,7 +357,7 @@ def main() -> None:
         if "round" in args.only:
             round_section(name, model, context, 5 if args.small else 20)
         if "decode" in args.only:
-            decode_section(name, model, context, 16 if args.small else 200)
+            decode_section(name, model, context, 16 if args.small else 400)
         if "anatomy" in args.only:
             anatomy_section(name, model, context, 10 if args.small else 40)
         if "spec" in args.only:
