@@ -1,13 +1,15 @@
 """mlx-vlm's TurboQuant caches (`mlx_vlm.turboquant`) <-> TurboQuantKV, O(1) like the others.
 
-    TurboQuantKVCache, BatchTurboQuantKVCache (integer key / value bits) -> TurboQuantKV
+    TurboQuantKVCache, BatchTurboQuantKVCache -> TurboQuantKV
 
-Both hold `TurboQuantMSEState(norms (B, H, T), indices (B, H, T, W))` per side in a capacity
-buffer; the state keeps the arrays (norms with a trailing axis of 1) and the codec statics,
-and the caches made back get codecs rebuilt from (dim, bits, seed) as mlx-vlm builds them
-(keys `seed`, values `seed + 1`). Fractional bits (mlx-vlm's `_SplitCodec`, whose channel
-split is chosen from the first keys it sees) and codec objects of any other class are refused
-with a StateError naming the class. Imported by `_vlm_caches` (so only when mlx_vlm is).
+Both hold per side a `TurboQuantMSEState(norms (B, H, T), indices (B, H, T, W))` (integer
+bits) or a `TurboQuantSplitState(low, high)` of two of them (fractional bits, mlx-vlm's
+`_SplitCodec`) in a capacity buffer; the state keeps the arrays (norms with a trailing axis
+of 1), the codec statics and a split side's high channels, and the caches made back get
+codecs rebuilt from them as mlx-vlm builds them (keys `seed`, values `seed + 1`, a split
+side's high codec its seed + 97). Codec objects of any other class (Prod / Polar, which
+mlx-vlm's caches never build) are refused with a StateError naming the class. Imported by
+`_vlm_caches` (so only when mlx_vlm is).
 """
 
 from __future__ import annotations
@@ -15,68 +17,101 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_vlm import turboquant as tq
 
 from kvstate import StateError, TurboQuantKV
 from kvstate.kinds import replace
+from kvstate.turboquant import is_split, low_channels
 
 from ._convert import fresh, register_from
 
+_SIDES = ("key", "value")
 
-def _codec_bits(cache: Any, side: str) -> tuple[int, int]:
-    """(dim, bits) of one side's codec; refuses any codec but integer-bit MSE."""
+
+def _bits(value: float) -> float:
+    """mlx-vlm's float bits as kvstate's static: an int when whole (4.0 -> 4), else x.5."""
+    return int(value) if float(value) == int(value) else float(value)
+
+
+def _side_codec(cache: Any, side: str) -> tuple[int, mx.array | None]:
+    """(dim, high channels or None) of one side's codec; refuses any codec but MSE / Split
+    over MSE with mlx-vlm's channel order."""
     codec = getattr(cache, f"{side}_codec")
-    if type(codec) is not tq._TurboQuantMSECodec:
+    where = f"from_mlx_vlm: {type(cache).__name__}'s {side} codec"
+    if type(codec) is tq._TurboQuantMSECodec:
+        return int(codec.dim), None
+    if type(codec) is not tq._SplitCodec:
         raise StateError(
-            f"from_mlx_vlm: {type(cache).__name__} has a {side} codec of class "
-            f"{type(codec).__name__} ({side}_bits={getattr(cache, f'{side}_bits')}); "
-            "kvstate's TurboQuantKV holds only _TurboQuantMSECodec (integer bits)"
+            f"{where} is a {type(codec).__name__} ({side}_bits={getattr(cache, f'{side}_bits')}); "
+            "kvstate's TurboQuantKV holds _TurboQuantMSECodec (integer bits) and _SplitCodec "
+            "over it (x.5 bits), the codecs mlx-vlm's caches build"
         )
-    return int(codec.dim), int(codec.bits)
+    if codec.mode != "mse" or type(codec.low_codec) is not tq._TurboQuantMSECodec:
+        raise StateError(
+            f"{where} is a _SplitCodec of mode {codec.mode!r}; TurboQuantKV holds mode 'mse'"
+        )
+    dim = int(codec.dim)
+    high = np.array(codec.high_idx).tolist()
+    if np.array(codec.low_idx).tolist() != low_channels(dim, high) or high != sorted(set(high)):
+        raise StateError(
+            f"{where} is a _SplitCodec whose channels are not mlx-vlm's order (sorted high "
+            "channels, the rest low in order); TurboQuantKV cannot rebuild it"
+        )
+    return dim, mx.array(high, mx.int32)
 
 
 def _spec(cache: Any) -> TurboQuantKV:
-    for side in ("key", "value"):
-        bits = float(getattr(cache, f"{side}_bits"))
-        if bits != int(bits):
-            raise StateError(
-                f"from_mlx_vlm: {type(cache).__name__} with {side}_bits={bits} uses mlx-vlm's "
-                "_SplitCodec (fractional bits), which kvstate's TurboQuantKV does not hold; "
-                "use integer key_bits / value_bits"
-            )
     spec = TurboQuantKV(
-        key_bits=int(cache.key_bits), value_bits=int(cache.value_bits), seed=int(cache.seed)
+        key_bits=_bits(cache.key_bits), value_bits=_bits(cache.value_bits), seed=int(cache.seed)
     )
     if cache.keys is None:
         return spec
-    (key_dim, key_bits), (value_dim, value_bits) = (
-        _codec_bits(cache, "key"),
-        _codec_bits(cache, "value"),
+    (key_dim, key_high), (value_dim, value_high) = (
+        _side_codec(cache, "key"),
+        _side_codec(cache, "value"),
     )
     return replace(
-        spec, key_dim=key_dim, value_dim=value_dim, key_bits=key_bits, value_bits=value_bits
+        spec,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        key_high_channels=key_high,
+        value_high_channels=value_high,
     )
 
 
-def _side_arrays(mse: Any) -> list[mx.array]:
+def _mse_arrays(mse: Any) -> list[mx.array]:
     if type(mse) is not tq.TurboQuantMSEState:
         raise StateError(
             f"from_mlx_vlm: a TurboQuant cache holding a {type(mse).__name__}; kvstate's "
-            "TurboQuantKV holds only TurboQuantMSEState"
+            "TurboQuantKV holds TurboQuantMSEState and TurboQuantSplitState of them"
         )
     return [mx.expand_dims(mse.norms, -1), fresh(mse.indices)]
 
 
+def _side_fields(side: str, held: Any, split: bool) -> dict[str, mx.array]:
+    if not split:
+        norms, indices = _mse_arrays(held)
+        return {f"{side}_norms": norms, f"{side}_indices": indices}
+    if type(held) is not tq.TurboQuantSplitState:
+        raise StateError(
+            f"from_mlx_vlm: a split {side} codec holding a {type(held).__name__}, not a "
+            "TurboQuantSplitState"
+        )
+    (norms, indices), (high_norms, high_indices) = _mse_arrays(held.low), _mse_arrays(held.high)
+    return {
+        f"{side}_norms": norms,
+        f"{side}_indices": indices,
+        f"{side}_high_norms": high_norms,
+        f"{side}_high_indices": high_indices,
+    }
+
+
 def _filled(spec: TurboQuantKV, cache: Any, **fields: Any) -> TurboQuantKV:
-    arrays = _side_arrays(cache.keys) + _side_arrays(cache.values)
-    return replace(
-        spec,
-        key_norms=arrays[0],
-        key_indices=arrays[1],
-        value_norms=arrays[2],
-        value_indices=arrays[3],
-        **fields,
-    )
+    for side, held in zip(_SIDES, (cache.keys, cache.values), strict=True):
+        split = getattr(spec, f"{side}_high_channels") is not None
+        fields |= _side_fields(side, held, split)
+    return replace(spec, **fields)
 
 
 @register_from(tq.TurboQuantKVCache)
@@ -100,21 +135,36 @@ def _(cache: tq.BatchTurboQuantKVCache, appended: int = 0) -> TurboQuantKV:
 # ---------------------------------------------------------------------------------------
 
 
+def codec_of(state: TurboQuantKV, side: str) -> Any:
+    """mlx-vlm's codec of one side of a filled state, rebuilt from its statics (and a split
+    side's high channels)."""
+    dim, bits = getattr(state, f"{side}_dim"), getattr(state, f"{side}_bits")
+    seed = state.seed + (1 if side == "value" else 0)
+    if not is_split(bits):
+        return tq._TurboQuantMSECodec(dim, int(bits), seed)
+    high = getattr(state, f"{side}_high_channels")
+    assert high is not None
+    low = mx.array(low_channels(dim, np.array(high).tolist()), mx.int32)
+    # from_indices seeds the high codec with seed + 97 itself (SPLIT_SEED_OFFSET).
+    return tq._SplitCodec.from_indices(dim, float(bits), "mse", seed, low, fresh(high))
+
+
 def codecs(state: TurboQuantKV) -> tuple[Any, Any]:
     """mlx-vlm's (key codec, value codec) rebuilt from a filled state's statics."""
-    return (
-        tq._TurboQuantMSECodec(state.key_dim, state.key_bits, state.seed),
-        tq._TurboQuantMSECodec(state.value_dim, state.value_bits, state.seed + 1),
-    )
+    return codec_of(state, "key"), codec_of(state, "value")
 
 
-def _mse_states(state: TurboQuantKV) -> tuple[Any, Any]:
-    kn, ki, vn, vi = state.key_norms, state.key_indices, state.value_norms, state.value_indices
-    assert kn is not None and ki is not None and vn is not None and vi is not None
-    return (
-        tq.TurboQuantMSEState(kn[..., 0], fresh(ki)),
-        tq.TurboQuantMSEState(vn[..., 0], fresh(vi)),
-    )
+def _mse(norms: mx.array, indices: mx.array) -> Any:
+    return tq.TurboQuantMSEState(norms[..., 0], fresh(indices))
+
+
+def side_state(state: TurboQuantKV, side: str) -> Any:
+    """One side of a filled state as mlx-vlm holds it: an MSE state, or a Split state of two."""
+    low = _mse(getattr(state, f"{side}_norms"), getattr(state, f"{side}_indices"))
+    if getattr(state, f"{side}_high_norms") is None:
+        return low
+    high = _mse(getattr(state, f"{side}_high_norms"), getattr(state, f"{side}_high_indices"))
+    return tq.TurboQuantSplitState(low, high)
 
 
 def to_turboquant_cache(state: TurboQuantKV) -> Any:
@@ -124,7 +174,7 @@ def to_turboquant_cache(state: TurboQuantKV) -> Any:
         cache = tq.TurboQuantKVCache(seed=state.seed, **bits)
         if state.key_norms is not None:
             cache.key_codec, cache.value_codec = codecs(state)
-            cache.keys, cache.values = _mse_states(state)
+            cache.keys, cache.values = side_state(state, "key"), side_state(state, "value")
             cache.offset = state.length
         return cache
     padding = fresh(state.left_padding)
@@ -134,6 +184,6 @@ def to_turboquant_cache(state: TurboQuantKV) -> Any:
     batch._idx = state.length
     if state.key_norms is not None:
         batch.key_codec, batch.value_codec = codecs(state)
-        batch.keys, batch.values = _mse_states(state)
+        batch.keys, batch.values = side_state(state, "key"), side_state(state, "value")
     batch._refresh_fused_attention_eligibility()
     return batch

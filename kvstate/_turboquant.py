@@ -1,29 +1,41 @@
-"""TurboQuantKV: mlx-vlm's TurboQuant-MSE key/value caches as a state.
+"""TurboQuantKV: mlx-vlm's TurboQuant key/value caches as a state.
 
-mlx-vlm's `TurboQuantKVCache` / `BatchTurboQuantKVCache` (integer bits) hold each side as a
-`TurboQuantMSEState(norms, indices)`: float16 row norms (B, H, T) and the codebook indices of
-the unit row after a seeded rotation, packed `ceil(dim * bits / 32)` uint32 words per row
-(B, H, T, W). Its codec is rebuilt from (dim, bits, seed): mlx-vlm seeds keys with `seed` and
-values with `seed + 1`. So the state keeps only the arrays and the statics (`key_dim`,
-`key_bits`, `value_dim`, `value_bits`, `seed`, `codec`): a rotation matrix or codebook is
-never stored, and a loaded state decodes with the codecs its statics rebuild.
+mlx-vlm's `TurboQuantKVCache` / `BatchTurboQuantKVCache` hold each side in one of two layouts:
 
-Norms are stored with a trailing axis of 1, (B, H, T, 1), so every array has its positions on
-axis 2 and a channel axis last, like DenseKV's: commit / merge / filter share DenseKV's code.
-Row b holds its tokens at [left_padding[b], length) (None: [0, length)), as
+- integer bits: a `TurboQuantMSEState(norms, indices)`: float16 row norms (B, H, T) and the
+  codebook indices of the unit row after a seeded rotation, packed `ceil(dim * bits / 32)`
+  uint32 words per row (B, H, T, W);
+- fractional bits (x.5, mlx-vlm's "Split" layout, `_SplitCodec`): the head's channels are cut
+  in two by the data: the `high` channels (the largest mean |x| of the first tensor the cache
+  saw) are coded at ceil(bits) with a codec seeded `seed + 97`, the others (`low`) at
+  floor(bits) with the side's seed; each part is an MSE state of its own channels.
+
+Codecs are rebuilt from (dim, bits, seed) and, for a split side, its channel indices: mlx-vlm
+seeds keys with `seed` and values with `seed + 1`. The state keeps the arrays, the statics
+(`key_dim`, `key_bits`, `value_dim`, `value_bits`, `seed`, `codec`) and, for a split side,
+the data-chosen high channels as an int32 array (`key_high_channels`, sorted; the low
+channels are the rest, in order, as mlx-vlm chooses them), so a reloaded state decodes
+identically. A rotation matrix or codebook is never stored.
+
+Norms are stored with a trailing axis of 1, (B, H, T, 1), so every positional array has its
+positions on axis 2 and a channel axis last, like DenseKV's: commit / merge / filter share
+DenseKV's code. Row b holds its tokens at [left_padding[b], length) (None: [0, length)), as
 BatchTurboQuantKVCache does (`_idx` == length, `offset` == length - left_padding).
 
-Only codec "mse" exists today. mlx-vlm's fractional bits (a `_SplitCodec` with data-chosen
-channel indices) and its Prod / Polar / PolarProd codecs (which its KV caches never build)
-are refused by the adapters with a StateError naming the class.
+Only codec "mse" exists: mlx-vlm's KV caches build every codec with mode="mse"
+(mlx_vlm/turboquant.py `_TurboQuantAttentionMixin._ensure_codecs`,
+`TurboQuantKVCache._ensure_codecs`, `_TurboTensorQuantizer._ensure`); its Prod / Polar /
+PolarProd codecs never reach a cache, and the adapters refuse them naming the class.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ._dense import commit_ragged
 from ._padded_rows import Layout
@@ -45,9 +57,17 @@ from .kinds import (
 TURBOQUANT_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 """The integer bit widths of a TurboQuant-MSE codebook (mlx-vlm builds 2**bits centroids)."""
 
+TURBOQUANT_SPLIT_BITS = (1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5)
+"""The fractional bit widths mlx-vlm codes with its Split layout (floor and ceil halves)."""
+
 TURBOQUANT_CODECS = ("mse",)
 
-_FIELDS = ("key_norms", "key_indices", "value_norms", "value_indices")
+SPLIT_SEED_OFFSET = 97
+"""mlx-vlm seeds a split side's high-channel codec with the side's seed + 97."""
+
+_SIDES = ("key", "value")
+_PARTS = ("norms", "indices", "high_norms", "high_indices")
+_POSITIONAL = tuple(f"{side}_{part}" for side in _SIDES for part in _PARTS)
 
 
 def index_width(dim: int, bits: int) -> int:
@@ -55,41 +75,70 @@ def index_width(dim: int, bits: int) -> int:
     return (dim * bits + 31) // 32
 
 
+def is_split(bits: float) -> bool:
+    """Whether `bits` is coded in mlx-vlm's Split layout (a fractional bit width)."""
+    return bits != int(bits)
+
+
+def split_sizes(dim: int, bits: float) -> tuple[int, int]:
+    """(low, high) channel counts of a split side (mlx-vlm's `_select_outlier_indices`:
+    Python's round, so half-way counts round to even)."""
+    lower, upper = math.floor(bits), math.ceil(bits)
+    high = round((bits - lower) * dim / (upper - lower))
+    high = max(1, min(dim - 1, high))
+    return dim - high, high
+
+
+def low_channels(dim: int, high: Sequence[int]) -> list[int]:
+    """The channels a split side codes at floor(bits): every channel not in `high`, in order."""
+    chosen = set(high)
+    return [c for c in range(dim) if c not in chosen]
+
+
 @state_class(Capabilities(trimmable=True, ragged_commit=True, batchable=True))
 class TurboQuantKV(State):
-    """TurboQuant-MSE keys and values in a capacity buffer; positions [0, length) in use,
-    row b from left_padding[b] on (None: from 0).
+    """TurboQuant keys and values in a capacity buffer; positions [0, length) in use, row b
+    from left_padding[b] on (None: from 0).
 
-    key_norms / value_norms: (B, H, capacity, 1) float16; key_indices / value_indices:
-    (B, H, capacity, index_width(dim, bits)) uint32. Statics: key_dim / value_dim (head
-    dims; 0 while empty), key_bits / value_bits, seed (keys' codec; values' is seed + 1),
-    codec ("mse").
+    Per side (`key`, `value`): `norms` (B, H, capacity, 1) float16 and `indices` (B, H,
+    capacity, index_width(dim, bits)) uint32 for an integer-bit side; a split side (x.5 bits)
+    holds its low channels there (floor(bits), width from the low count) and its high
+    channels in `high_norms` / `high_indices` (ceil(bits)), with `high_channels` the sorted
+    int32 channel numbers coded high. Statics: key_dim / value_dim (head dims; 0 while
+    empty), key_bits / value_bits (an int, or x.5 for the Split layout), seed (keys' codec;
+    values' is seed + 1; a split side's high codec is its seed + 97), codec ("mse").
     """
 
     key_norms: mx.array | None = None
     key_indices: mx.array | None = None
+    key_high_norms: mx.array | None = None
+    key_high_indices: mx.array | None = None
     value_norms: mx.array | None = None
     value_indices: mx.array | None = None
+    value_high_norms: mx.array | None = None
+    value_high_indices: mx.array | None = None
+    key_high_channels: mx.array | None = None
+    value_high_channels: mx.array | None = None
     left_padding: mx.array | None = None
     length: int = static_field(default=0)
     appended: int = static_field(default=0)
     key_dim: int = static_field(default=0)
     value_dim: int = static_field(default=0)
-    key_bits: int = static_field(default=4)
-    value_bits: int = static_field(default=4)
+    key_bits: float = static_field(default=4.0)
+    value_bits: float = static_field(default=4.0)
     seed: int = static_field(default=0)
     codec: str = static_field(default="mse")
 
 
 def arrays_of(state: TurboQuantKV) -> list[mx.array]:
-    """The four arrays (key norms, key indices, value norms, value indices) of a filled state."""
-    found = [getattr(state, f) for f in _FIELDS]
-    assert all(a is not None for a in found)
-    return found
+    """The positional arrays of a filled state (positions on axis 2), in a fixed order: per
+    side norms, indices, then a split side's high norms and high indices."""
+    return [a for a in (getattr(state, f) for f in _POSITIONAL) if a is not None]
 
 
 def _with_arrays(state: TurboQuantKV, arrays: Sequence[mx.array], **changes: Any) -> Any:
-    return replace(state, **dict(zip(_FIELDS, arrays, strict=True)), **changes)
+    names = [f for f in _POSITIONAL if getattr(state, f) is not None]
+    return replace(state, **dict(zip(names, arrays, strict=True)), **changes)
 
 
 def _is_empty(state: TurboQuantKV) -> bool:
@@ -98,64 +147,125 @@ def _is_empty(state: TurboQuantKV) -> bool:
 
 _LAYOUT = Layout(arrays_of, _is_empty, _with_arrays)
 
+
+def high_channels(state: TurboQuantKV, side: str) -> tuple[int, ...] | None:
+    """A filled split side's high channels as ints (None for an integer side or while empty)."""
+    channels = getattr(state, f"{side}_high_channels")
+    return None if channels is None else tuple(np.array(channels).tolist())
+
+
 # ---------------------------------------------------------------------------- checks
 
 
 @problems.register
 def _(state: TurboQuantKV, values: bool) -> list[str]:
-    found = typed_statics(
-        state, length=0, appended=0, key_dim=0, value_dim=0, key_bits=1, value_bits=1, seed=0
-    )
+    found = typed_statics(state, length=0, appended=0, key_dim=0, value_dim=0, seed=0)
+    for side in _SIDES:
+        found += _bits_problems(side, getattr(state, f"{side}_bits"))
     if found:
         return found
-    for side in ("key", "value"):
-        if getattr(state, f"{side}_bits") not in TURBOQUANT_BITS:
-            found.append(
-                f"{side}_bits: {getattr(state, f'{side}_bits')} is not one of "
-                f"{list(TURBOQUANT_BITS)}"
-            )
     if state.codec not in TURBOQUANT_CODECS:
         found.append(f"codec: {state.codec!r} is not one of {list(TURBOQUANT_CODECS)}")
-    present = [getattr(state, f) is not None for f in _FIELDS]
-    if any(present) and not all(present):
-        return [*found, f"{', '.join(_FIELDS)} must all be arrays or all be None"]
+    expected = {f: _expects(state, f) for f in (*_POSITIONAL, *_channel_fields())}
+    present = {f: getattr(state, f) is not None for f in expected}
+    filled = present["key_norms"]
+    for f, wanted in expected.items():
+        if filled and present[f] != wanted:
+            found.append(f"{f}: must be {'an array' if wanted else 'None'} for {_why(state, f)}")
+        elif not filled and present[f]:
+            found.append(f"{f}: must be None while key_norms is None (an empty state)")
     if found:
         return found
     capacity = 0
-    if all(present):
-        found += _side_problems(state, "key") + _side_problems(state, "value")
+    if filled:
+        for side in _SIDES:
+            found += _side_problems(state, side, values)
         if found:
             return found
         shapes = {tuple(a.shape[:3]) for a in arrays_of(state)}
         if len(shapes) > 1:
-            return [f"the four arrays disagree in batch, heads or capacity: {sorted(shapes)}"]
+            return [f"the arrays disagree in batch, heads or capacity: {sorted(shapes)}"]
         capacity = int(arrays_of(state)[0].shape[2])
     found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
     if values and not found:
-        top = state.length if all(present) else 2**31 - 1
+        top = state.length if filled else 2**31 - 1
         found += ints_within("left_padding", state.left_padding, 0, top)
     return found
 
 
-def _side_problems(state: TurboQuantKV, side: str) -> list[str]:
-    norms, indices = getattr(state, f"{side}_norms"), getattr(state, f"{side}_indices")
+def _channel_fields() -> tuple[str, ...]:
+    return tuple(f"{side}_high_channels" for side in _SIDES)
+
+
+def _expects(state: TurboQuantKV, field: str) -> bool:
+    """Whether a filled state holds `field` (high parts only on a split side)."""
+    side = field.split("_", 1)[0]
+    return "high" not in field or is_split(getattr(state, f"{side}_bits"))
+
+
+def _why(state: TurboQuantKV, field: str) -> str:
+    side = field.split("_", 1)[0]
+    return f"a filled state with {side}_bits={getattr(state, f'{side}_bits')}"
+
+
+def _bits_problems(side: str, bits: Any) -> list[str]:
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
+        return [f"{side}_bits: must be an int or a float; got {bits!r} ({type(bits).__name__})"]
+    if bits not in TURBOQUANT_BITS and bits not in TURBOQUANT_SPLIT_BITS:
+        return [
+            f"{side}_bits: {bits} is not one of {list(TURBOQUANT_BITS)} (MSE) or "
+            f"{list(TURBOQUANT_SPLIT_BITS)} (Split)"
+        ]
+    return []
+
+
+def _side_problems(state: TurboQuantKV, side: str, values: bool) -> list[str]:
     dim, bits = getattr(state, f"{side}_dim"), getattr(state, f"{side}_bits")
-    found = array_problems(f"{side}_norms", norms, 4, floating=True)
-    found += array_problems(f"{side}_indices", indices, 4)
+    if dim < 1:
+        return [f"{side}_dim: a filled state needs its head dim; got {dim}"]
+    if not is_split(bits):
+        return _part_problems(state, side, "", dim, int(bits))
+    if dim < 2:
+        return [f"{side}_dim: a split side ({bits} bits) needs at least 2 channels; got {dim}"]
+    low, high = split_sizes(dim, bits)
+    found = _part_problems(state, side, "", low, math.floor(bits))
+    found += _part_problems(state, side, "high_", high, math.ceil(bits))
+    name = f"{side}_high_channels"
+    channels = getattr(state, name)
+    found += array_problems(name, channels, 1)
+    if found:
+        return found
+    if channels.dtype != mx.int32 or channels.shape[0] != high:
+        found.append(
+            f"{name}: a {dim}-channel side at {bits} bits codes {high} channels high (int32); "
+            f"got shape {tuple(channels.shape)} {channels.dtype}"
+        )
+    elif values:
+        chosen = np.array(channels).tolist()
+        if chosen != sorted(set(chosen)) or not all(0 <= c < dim for c in chosen):
+            found.append(f"{name}: must be distinct channels in [0, {dim}), sorted; got {chosen}")
+    return found
+
+
+def _part_problems(state: TurboQuantKV, side: str, part: str, dim: int, bits: int) -> list[str]:
+    norms = getattr(state, f"{side}_{part}norms")
+    indices = getattr(state, f"{side}_{part}indices")
+    found = array_problems(f"{side}_{part}norms", norms, 4, floating=True)
+    found += array_problems(f"{side}_{part}indices", indices, 4)
     if found:
         return found
     if norms.shape[3] != 1:
-        found.append(f"{side}_norms: last axis must be 1 (one norm per row); got {norms.shape}")
+        found.append(
+            f"{side}_{part}norms: last axis must be 1 (one norm per row); got {norms.shape}"
+        )
     if indices.dtype != mx.uint32:
-        found.append(f"{side}_indices: packed indices must be uint32; got {indices.dtype}")
-    if dim < 1:
-        found.append(f"{side}_dim: a filled state needs its head dim; got {dim}")
+        found.append(f"{side}_{part}indices: packed indices must be uint32; got {indices.dtype}")
     elif indices.shape[3] != index_width(dim, bits):
         found.append(
-            f"{side}_indices: {indices.shape[3]} words per row, but {dim} indices of {bits} "
-            f"bits pack into {index_width(dim, bits)}"
+            f"{side}_{part}indices: {indices.shape[3]} words per row, but {dim} indices of "
+            f"{bits} bits pack into {index_width(dim, bits)}"
         )
     return found
 
@@ -165,11 +275,15 @@ def _side_problems(state: TurboQuantKV, side: str) -> list[str]:
 
 @config_of.register
 def _(state: TurboQuantKV) -> dict[str, Any]:
+    # The high channels are part of the codec: rows coded with other channels (another
+    # cache's first tensor) cannot share a batch. None while empty (matches anything).
     statics: dict[str, Any] = {
         "codec": state.codec,
         "key_bits": state.key_bits,
         "value_bits": state.value_bits,
         "seed": state.seed,
+        "key_high_channels": high_channels(state, "key"),
+        "value_high_channels": high_channels(state, "value"),
     }
     if _is_empty(state):
         return kv_config("TurboQuantKV", **statics)
@@ -211,8 +325,20 @@ def _(state: TurboQuantKV, rows: tuple[int, ...]) -> TurboQuantKV:
 
 
 # filter, merge, extract: kvstate._padded_rows (merge pads on the left with zeros, as
-# BatchTurboQuantKVCache.extend does; kvstate.merge has already refused mixed configs).
+# BatchTurboQuantKVCache.extend does; kvstate.merge has already refused mixed configs, the
+# high channels included, so the channels of the first filled state are every row's).
 register_padded_rows(TurboQuantKV, _LAYOUT)
 
 
-__all__ = ["TURBOQUANT_BITS", "TURBOQUANT_CODECS", "TurboQuantKV", "index_width"]
+__all__ = [
+    "SPLIT_SEED_OFFSET",
+    "TURBOQUANT_BITS",
+    "TURBOQUANT_CODECS",
+    "TURBOQUANT_SPLIT_BITS",
+    "TurboQuantKV",
+    "high_channels",
+    "index_width",
+    "is_split",
+    "low_channels",
+    "split_sizes",
+]

@@ -174,8 +174,12 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         if state.key_norms is None or state.length == 0:
             return [("turboquant", 0)] * batch
         pads = _pads(state.left_padding, batch)
-        fields = (state.key_norms, state.key_indices, state.value_norms, state.value_indices)
-        parts = [_row_slices(a, batch, pads, state.length) for a in fields]
+        fields = [  # a split side's high parts too (None on an integer side)
+            getattr(state, f"{side}_{part}")
+            for side in ("key", "value")
+            for part in ("norms", "indices", "high_norms", "high_indices")
+        ]
+        parts = [_row_slices(a, batch, pads, state.length) for a in fields if a is not None]
         return [
             ("turboquant", state.length - pads[r], *(p[r] for p in parts)) for r in range(batch)
         ]

@@ -26,7 +26,19 @@ from kvstate.adapters.vlm import to_mlx_vlm
 from kvstate.testing import accepted_counts, turboquant_kv_states
 from property_tests._reference import meaning
 
-CONFIG = {"heads": 2, "key_dim": 12, "value_dim": 16, "key_bits": 3, "value_bits": 2, "seed": 1}
+MSE = {"heads": 2, "key_dim": 12, "value_dim": 16, "key_bits": 3, "value_bits": 2, "seed": 1}
+# mlx-vlm's Split layout on both sides (12 channels at 2.5 bits: 6 high; 16 at 3.5: 8 high),
+# one set of channels so drawn states can be batched together.
+SPLIT = MSE | {"key_bits": 2.5, "value_bits": 3.5}
+SPLIT |= {"key_channels": (0, 2, 3, 7, 9, 11), "value_channels": (1, 2, 4, 8, 9, 10, 13, 15)}
+CONFIGS = pytest.mark.parametrize("config", [MSE, SPLIT], ids=["mse", "split"])
+
+
+def leaves(held: Any) -> list[mx.array]:
+    """One side's arrays as mlx-vlm holds it (an MSE state, or a Split state of two)."""
+    if isinstance(held, tq.TurboQuantSplitState):
+        return leaves(held.low) + leaves(held.high)
+    return [held.norms, held.indices]
 
 
 def batch(state: ks.TurboQuantKV) -> tq.BatchTurboQuantKVCache:
@@ -39,10 +51,7 @@ def batch(state: ks.TurboQuantKV) -> tq.BatchTurboQuantKVCache:
 
 def fields(cache: tq.BatchTurboQuantKVCache) -> list[Any]:
     n = cache._idx
-    k, v = cache.keys, cache.values
-    used = [a[..., :n] for a in (k.norms, v.norms)] + [
-        a[..., :n, :] for a in (k.indices, v.indices)
-    ]
+    used = [a[:, :, :n] for a in leaves(cache.keys) + leaves(cache.values)]
     return [*used, cache.left_padding, cache.offset]
 
 
@@ -52,39 +61,46 @@ def assert_same_cache(got: tq.BatchTurboQuantKVCache, want: tq.BatchTurboQuantKV
         assert a.shape == b.shape and mx.array_equal(a, b).item(), (a, b)
 
 
-@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
-def test_filter_equals_mlx_vlms(state, data):
+@CONFIGS
+@given(data=st.data())
+def test_filter_equals_mlx_vlms(config, data):
+    state = data.draw(turboquant_kv_states(**config, empty=False), label="state")
     rows = data.draw(st.lists(st.integers(0, ks.batch_size(state) - 1), min_size=1, max_size=3))
     theirs = copy.deepcopy(batch(state))
     theirs.filter(mx.array(rows))
     assert_same_cache(batch(ks.filter(state, rows)), theirs)
 
 
-@given(
-    a=turboquant_kv_states(**CONFIG, empty=False),
-    b=turboquant_kv_states(**CONFIG, empty=False),
-)
-def test_extend_equals_mlx_vlms(a, b):
+@CONFIGS
+@given(data=st.data())
+def test_extend_equals_mlx_vlms(config, data):
+    a, b = (data.draw(turboquant_kv_states(**config, empty=False), label=x) for x in "ab")
     a, b = ks.kinds.replace(a, appended=0), ks.kinds.replace(b, appended=0)
     theirs = copy.deepcopy(batch(a))
     theirs.extend(batch(b))
     assert_same_cache(batch(ks.extend(a, b)), theirs)
 
 
-@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
-def test_extract_equals_mlx_vlms(state, data):
+@CONFIGS
+@given(data=st.data())
+def test_extract_equals_mlx_vlms(config, data):
+    state = data.draw(turboquant_kv_states(**config, empty=False), label="state")
     row = data.draw(st.integers(0, ks.batch_size(state) - 1))
     theirs = batch(state).extract(row)
     ours = to_mlx_vlm(ks.extract(state, row))
     assert type(ours) is tq.TurboQuantKVCache and ours.offset == theirs.offset
     for x, y in zip(
-        (*ours.state[0], *ours.state[1]), (*theirs.state[0], *theirs.state[1]), strict=True
+        leaves(ours.state[0]) + leaves(ours.state[1]),
+        leaves(theirs.state[0]) + leaves(theirs.state[1]),
+        strict=True,
     ):
         assert mx.array_equal(x, y).item()
 
 
-@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
-def test_uniform_commit_equals_trim(state, data):
+@CONFIGS
+@given(data=st.data())
+def test_uniform_commit_equals_trim(config, data):
+    state = data.draw(turboquant_kv_states(**config, empty=False), label="state")
     keep = data.draw(st.integers(0, state.appended))
     theirs = batch(state)
     theirs.trim(state.appended - keep)
@@ -100,8 +116,10 @@ def _tokens(row: tuple[Any, ...]) -> np.ndarray:
     return tokens[np.lexsort(tokens.T[::-1])]
 
 
-@given(state=turboquant_kv_states(**CONFIG, empty=False), data=st.data())
-def test_ragged_commit_keeps_each_rows_prefix(state, data):
+@CONFIGS
+@given(data=st.data())
+def test_ragged_commit_keeps_each_rows_prefix(config, data):
+    state = data.draw(turboquant_kv_states(**config, empty=False), label="state")
     """mlx-vlm's caches have no ragged commit: the reference is each row's tokens before the
     pending ones plus its first accepted[b] pending ones (a multiset: they may move)."""
     accepted = data.draw(accepted_counts(state, ragged=True), label="accepted")

@@ -2,7 +2,8 @@
 
 The oracle is always mlx-vlm: its update_and_fetch + quantized_attention on the cache the
 state came from, its trim / filter / extend / extract on BatchTurboQuantKVCache, its codecs'
-dequantize, and its language model decoding on its own caches.
+dequantize, and its language model decoding on its own caches. Every test runs on integer
+bits (MSE codecs) and on x.5 bits (mlx-vlm's Split layout: data-chosen high channels).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mlx_vlm import turboquant as tq
 from mlx_vlm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters._vlm_turboquant import codecs
+from kvstate.adapters._vlm_turboquant import codecs, side_state
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 from tests.vlm_helpers import tiny_vlm
 
@@ -36,9 +37,25 @@ def filled(cache: Any, n: int, seed: int, batch: int = 1, dims: tuple[int, int] 
     return cache
 
 
+def leaves(held: Any) -> list[mx.array]:
+    """The arrays of one side as mlx-vlm holds it (MSE state, or Split state of two)."""
+    if isinstance(held, tq.TurboQuantSplitState):
+        return leaves(held.low) + leaves(held.high)
+    assert isinstance(held, tq.TurboQuantMSEState)
+    return [held.norms, held.indices]
+
+
 def mse_arrays(cache: Any) -> list[mx.array]:
     keys, values = cache.state[:2]
-    return [keys.norms, keys.indices, values.norms, values.indices]
+    return leaves(keys) + leaves(values)
+
+
+def channels(codec: Any) -> list[list[int]] | None:
+    """A split codec's (low, high) channel lists; None for an MSE codec."""
+    if isinstance(codec, tq._SplitCodec):
+        return [np.array(codec.low_idx).tolist(), np.array(codec.high_idx).tolist()]
+    assert type(codec) is tq._TurboQuantMSECodec
+    return None
 
 
 def assert_same_arrays(a: list[mx.array], b: list[mx.array]) -> None:
@@ -71,6 +88,9 @@ def step_outputs(
         (3, None, None, (64, 80)),
         (2, 2, 4, (80, 64)),
         (3.5, None, None, (64, 64)),
+        (3, 2.5, 3.5, (64, 80)),  # Split on both sides
+        (3.5, 3.5, 3, (12, 16)),  # Split keys of a non-power-of-two dim (dense rotation)
+        (2, 4, 1.5, (16, 12)),
     ],
 )
 def test_round_trip_keeps_the_arrays_and_decodes_like_the_original(
@@ -88,6 +108,8 @@ def test_round_trip_keeps_the_arrays_and_decodes_like_the_original(
     back = to_mlx_vlm(state)
     assert type(back) is tq.TurboQuantKVCache
     assert_same_arrays(mse_arrays(back), mse_arrays(cache))
+    for ours, theirs in ((back.key_codec, cache.key_codec), (back.value_codec, cache.value_codec)):
+        assert type(ours) is type(theirs) and channels(ours) == channels(theirs)
     assert (back.key_bits, back.value_bits, back.offset) == (cache.key_bits, cache.value_bits, 5)
     ks.save(tmp_path / "tq.safetensors", state)
     loaded = to_mlx_vlm(ks.load(tmp_path / "tq.safetensors"))  # codecs rebuilt from statics
@@ -97,20 +119,37 @@ def test_round_trip_keeps_the_arrays_and_decodes_like_the_original(
             assert mx.array_equal(got, want).item()
 
 
-def test_the_rebuilt_codecs_dequantize_like_the_caches_own():
-    cache = filled(tq.TurboQuantKVCache(3, seed=2), 6, 4)
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(3, 3), (2.5, 3.5)])
+def test_the_rebuilt_codecs_dequantize_like_the_caches_own(key_bits, value_bits):
+    cache = filled(tq.TurboQuantKVCache(3, seed=2, key_bits=key_bits, value_bits=value_bits), 6, 4)
     state = from_mlx_vlm(cache)
     key_codec, value_codec = codecs(state)
     want_k, want_v = cache.dequantize()
-    got_k = key_codec.dequantize(tq.TurboQuantMSEState(state.key_norms[..., 0], state.key_indices))
-    got_v = value_codec.dequantize(
-        tq.TurboQuantMSEState(state.value_norms[..., 0], state.value_indices)
-    )
+    got_k = key_codec.dequantize(side_state(state, "key"))
+    got_v = value_codec.dequantize(side_state(state, "value"))
     assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()
 
 
-def test_commit_prefix_equals_trim():
-    cache = filled(tq.TurboQuantKVCache(4, seed=0), 6, 5)
+def test_a_split_side_keeps_mlx_vlms_channels_and_seeds():
+    # The Split construction, read off mlx-vlm's own codec: the high channels are the largest
+    # mean |x| of the first keys; the low codec is seeded `seed`, the high one `seed + 97`.
+    keys = normal(1, (1, 2, 5, 64)) * mx.where(mx.arange(64) % 7 == 0, 10.0, 1.0)
+    cache = tq.TurboQuantKVCache(3, seed=5, key_bits=2.5, value_bits=3)
+    cache.update_and_fetch(keys, normal(2, (1, 2, 5, 80)))
+    state = from_mlx_vlm(cache)
+    high = np.array(state.key_high_channels).tolist()
+    assert set(range(0, 64, 7)) <= set(high) and len(high) == 32
+    assert state.value_high_channels is None and state.value_high_norms is None
+    rebuilt = codecs(state)[0]
+    for part, seed in ((rebuilt.low_codec, 5), (rebuilt.high_codec, 5 + 97)):
+        twin = tq._TurboQuantMSECodec(part.dim, part.bits, seed)
+        assert mx.array_equal(twin.rotation, part.rotation).item()
+    assert (rebuilt.low_codec.bits, rebuilt.high_codec.bits) == (2, 3)
+
+
+@pytest.mark.parametrize("key_bits", [4, 2.5])
+def test_commit_prefix_equals_trim(key_bits):
+    cache = filled(tq.TurboQuantKVCache(4, seed=0, key_bits=key_bits), 6, 5)
     state = ks.commit_prefix(_appended(cache, 3), 1)  # the last 3 positions pending: keep 1
     cache.trim(2)
     assert state.length == cache.offset == 4
@@ -123,15 +162,21 @@ def _appended(cache: Any, n: int) -> ks.TurboQuantKV:
     return ks.kinds.replace(from_mlx_vlm(cache), appended=n)
 
 
-def batch_cache(paddings: list[int], n: int, seed: int, bits: int = 3) -> tq.BatchTurboQuantKVCache:
-    return filled(tq.BatchTurboQuantKVCache(paddings, bits, seed=1), n, seed, batch=len(paddings))
+def batch_cache(
+    paddings: list[int], n: int, seed: int, key_bits: float = 3, like: Any = None
+) -> tq.BatchTurboQuantKVCache:
+    """A filled BatchTurboQuantKVCache; with `like`, coded with that cache's codecs (a Split
+    codec's channels are chosen from the first keys: rows batched together must share them)."""
+    cache = tq.BatchTurboQuantKVCache(paddings, 3, seed=1, key_bits=key_bits, value_bits=3.5)
+    if like is not None:
+        cache.key_codec, cache.value_codec = like.key_codec, like.value_codec
+    return filled(cache, n, seed, batch=len(paddings))
 
 
 def batch_fields(cache: tq.BatchTurboQuantKVCache) -> list[Any]:
-    k, v = cache.keys, cache.values
     arrays = [
         a[..., : cache._idx, :] if a.ndim == 4 else a[..., : cache._idx]
-        for a in (k.norms, k.indices, v.norms, v.indices)
+        for a in leaves(cache.keys) + leaves(cache.values)
     ]
     return [*arrays, cache.left_padding, cache.offset, cache._idx]
 
@@ -142,8 +187,9 @@ def assert_batch_equal(a: tq.BatchTurboQuantKVCache, b: tq.BatchTurboQuantKVCach
     assert_same_arrays(fa[:-1], fb[:-1])
 
 
-def test_batch_round_trip_and_batch_methods_equal_kvstates():
-    cache = batch_cache([2, 0, 1], 5, 20)
+@pytest.mark.parametrize("key_bits", [3, 2.5])
+def test_batch_round_trip_and_batch_methods_equal_kvstates(key_bits):
+    cache = batch_cache([2, 0, 1], 5, 20, key_bits)
     state = from_mlx_vlm(cache)
     assert type(to_mlx_vlm(state)) is tq.BatchTurboQuantKVCache
     assert_batch_equal(to_mlx_vlm(state), cache)
@@ -152,7 +198,7 @@ def test_batch_round_trip_and_batch_methods_equal_kvstates():
     filtered.filter(mx.array([0, 2]))
     assert_batch_equal(to_mlx_vlm(ks.filter(state, [0, 2])), filtered)
 
-    other = batch_cache([0, 1], 3, 30)
+    other = batch_cache([0, 1], 3, 30, key_bits, like=cache)
     extended = copy.deepcopy(cache)
     extended.extend(other)
     assert_batch_equal(to_mlx_vlm(ks.extend(state, from_mlx_vlm(other))), extended)
@@ -179,10 +225,27 @@ def test_merge_refuses_mixed_bits_and_seeds_naming_the_fields():
     assert ks.batch_size(merged) == 2 and merged.length == 4
 
 
+def test_merge_refuses_split_rows_of_other_channels_naming_the_field():
+    # Two caches at 2.5 key bits chose their high channels from different first keys: their
+    # rows are packed in different coordinates (mlx-vlm's extend would mix them silently).
+    def split(seed: int, like: Any = None) -> tq.TurboQuantKVCache:
+        cache = tq.TurboQuantKVCache(3, seed=0, key_bits=2.5, value_bits=3.5)
+        if like is not None:
+            cache.key_codec, cache.value_codec = like.key_codec, like.value_codec
+        return filled(cache, 4, seed)
+
+    first = split(1)
+    a = from_mlx_vlm(first)
+    with pytest.raises(ks.ConfigMismatchError, match=r"key_high_channels\[\d+\]"):
+        ks.merge([a, from_mlx_vlm(split(2))])
+    with pytest.raises(ks.ConfigMismatchError, match=r"key_bits: 2\.5 != 3"):
+        ks.merge([a, from_mlx_vlm(filled(tq.TurboQuantKVCache(3, seed=0, value_bits=3.5), 4, 1))])
+    merged = ks.merge([a, from_mlx_vlm(split(3, like=first))])
+    assert ks.batch_size(merged) == 2
+    assert mx.array_equal(merged.key_high_channels, a.key_high_channels).item()
+
+
 def test_unsupported_codecs_are_refused_naming_the_class():
-    split = filled(tq.TurboQuantKVCache(3, seed=0, key_bits=2.5), 4, 1)
-    with pytest.raises(ks.StateError, match=r"TurboQuantKVCache.*_SplitCodec"):
-        from_mlx_vlm(split)
     odd = filled(tq.TurboQuantKVCache(3, seed=0), 4, 1)
     odd.key_codec = tq._TurboQuantProdCodec(64, 3, 0)
     with pytest.raises(ks.StateError, match="_TurboQuantProdCodec"):
@@ -216,12 +279,16 @@ def test_state_errors_equal_mlx_vlms(bits):
     assert err(ours) == pytest.approx({4: 0.097, 3: 0.184, 2: 0.341}[bits], abs=0.02)
 
 
-def test_a_model_decodes_the_same_after_a_save_load_round_trip(tmp_path):
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(3, 3), (2.5, 3.5)])
+def test_a_model_decodes_the_same_after_a_save_load_round_trip(tmp_path, key_bits, value_bits):
     model = tiny_vlm("llama").language_model
     prompt, follow = [3, 17, 42, 8, 99, 5], [11, 23, 7]
 
     def caches() -> list[Any]:
-        return [tq.TurboQuantKVCache(3, seed=4) for _ in make_prompt_cache(model)]
+        return [
+            tq.TurboQuantKVCache(3, seed=4, key_bits=key_bits, value_bits=value_bits)
+            for _ in make_prompt_cache(model)
+        ]
 
     theirs = caches()
     model(mx.array([prompt]), cache=theirs)
@@ -240,11 +307,15 @@ def test_a_model_decodes_the_same_after_a_save_load_round_trip(tmp_path):
     assert tokens[0] == tokens[1]
 
 
-def test_an_empty_padded_state_prefills_like_mlx_vlms_batch_cache():
-    # Padding for a batched prefill: the state says how much of each row will be padding.
-    spec = ks.TurboQuantKV(left_padding=mx.array([2, 0], mx.int32), key_bits=3, value_bits=2)
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(3, 2), (2.5, 3.5)])
+def test_an_empty_padded_state_prefills_like_mlx_vlms_batch_cache(key_bits, value_bits):
+    # Padding for a batched prefill: the state says how much of each row will be padding
+    # (a Split side chooses its channels from the prefill's keys, as mlx-vlm's does).
+    spec = ks.TurboQuantKV(
+        left_padding=mx.array([2, 0], mx.int32), key_bits=key_bits, value_bits=value_bits
+    )
     spec = ks.merge([ks.row_select(spec, 0), ks.row_select(spec, 1)])
-    theirs = tq.BatchTurboQuantKVCache([2, 0], 3, seed=0, key_bits=3, value_bits=2)
+    theirs = tq.BatchTurboQuantKVCache([2, 0], 3, seed=0, key_bits=key_bits, value_bits=value_bits)
     ours = to_mlx_vlm(spec)
     assert type(ours) is tq.BatchTurboQuantKVCache
     for cache in (theirs, ours):
@@ -256,7 +327,8 @@ def test_an_empty_padded_state_prefills_like_mlx_vlms_batch_cache():
         assert mx.array_equal(got, want).item()
 
 
-def test_a_wrapped_model_on_turboquant_states_decodes_like_mlx_vlms_caches():
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(3, 3), (3.5, 2.5)])
+def test_a_wrapped_model_on_turboquant_states_decodes_like_mlx_vlms_caches(key_bits, value_bits):
     """kvstate's wrapper on a ModelState of TurboQuantKV layers vs the language model on
     mlx-vlm's TurboQuantKVCache list: prompt logits, a verify forward rolled back with
     commit_prefix (mlx-vlm: trim), then greedy tokens, identical."""
@@ -265,10 +337,9 @@ def test_a_wrapped_model_on_turboquant_states_decodes_like_mlx_vlms_caches():
     model = tiny_vlm("llama")
     lm, wrapped = model.language_model, wrap(model)
     layers = len(make_prompt_cache(lm))
-    caches = [tq.TurboQuantKVCache(3, seed=4) for _ in range(layers)]
-    state = ks.ModelState(
-        tuple(ks.TurboQuantKV(key_bits=3, value_bits=3, seed=4) for _ in range(layers))
-    )
+    bits = {"key_bits": key_bits, "value_bits": value_bits}
+    caches = [tq.TurboQuantKVCache(3, seed=4, **bits) for _ in range(layers)]
+    state = ks.ModelState(tuple(ks.TurboQuantKV(seed=4, **bits) for _ in range(layers)))
     prompt = mx.array([[3, 17, 42, 8, 99, 5]])
     logits, state = wrapped(prompt, state)
     assert mx.array_equal(logits, lm(prompt, cache=caches).logits).item()

@@ -1,7 +1,8 @@
-"""The hypothesis strategy of `TurboQuantKV` (mlx-vlm's TurboQuant-MSE caches)."""
+"""The hypothesis strategy of `TurboQuantKV` (mlx-vlm's TurboQuant caches, MSE and Split)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -9,8 +10,21 @@ import numpy as np
 from hypothesis import strategies as st
 
 from .._tree import replace
-from .._turboquant import TurboQuantKV, index_width
+from .._turboquant import TurboQuantKV, index_width, is_split, split_sizes
 from ._strategies import _SEEDS, Knob, _knob, _padded_rows, strategy_for
+
+TURBOQUANT_DRAWN_BITS = (2, 3, 4, 2.5, 3.5)
+"""The bit widths `turboquant_kv_states` draws: integer (MSE) and x.5 (Split)."""
+
+
+def high_channels_for(draw: Any, dim: int, bits: float) -> tuple[int, ...] | None:
+    """A split side's high channels as mlx-vlm could choose them (a sorted subset of the
+    right size); None for an integer side."""
+    if not is_split(bits):
+        return None
+    _, high = split_sizes(dim, bits)
+    chosen = draw(st.permutations(range(dim)))[:high]
+    return tuple(sorted(chosen))
 
 
 @strategy_for(TurboQuantKV)
@@ -24,6 +38,8 @@ def turboquant_kv_states(
     value_dim: Knob = None,
     key_bits: Knob = None,
     value_bits: Knob = None,
+    key_channels: Knob = None,
+    value_channels: Knob = None,
     seed: Knob = None,
     padded: Knob = None,
     max_length: int = 10,
@@ -34,8 +50,10 @@ def turboquant_kv_states(
     """A `TurboQuantKV`.
 
     Draws: batch in 1..3; heads in 1..2; key / value head dims in {8, 12, 16} (powers of two
-    take mlx-vlm's Hadamard path, others its dense rotation); key / value bits in 2..4; seed
-    in 0..3; `padded`: per-row left padding; length in 1..max_length (or empty with
+    take mlx-vlm's Hadamard path, others its dense rotation); key / value bits in
+    `TURBOQUANT_DRAWN_BITS` (x.5: the Split layout, with high channels drawn unless
+    `key_channels` / `value_channels` fix them: states to be merged must share them); seed in
+    0..3; `padded`: per-row left padding; length in 1..max_length (or empty with
     `empty=True`); spare capacity past the length (garbage); `appended` in 0..min(row
     lengths). Norms are random positive float16 and indices random uint32 words: every
     word is a valid packing (each field is < 2**bits), so mlx-vlm's codec decodes any draw.
@@ -44,8 +62,8 @@ def turboquant_kv_states(
     heads = _knob(draw, heads, st.integers(1, 2))
     key_dim = _knob(draw, key_dim, st.sampled_from([8, 12, 16]))
     value_dim = _knob(draw, value_dim, st.sampled_from([8, 12, 16]))
-    key_bits = _knob(draw, key_bits, st.integers(2, 4))
-    value_bits = _knob(draw, value_bits, st.integers(2, 4))
+    key_bits = _knob(draw, key_bits, st.sampled_from(TURBOQUANT_DRAWN_BITS))
+    value_bits = _knob(draw, value_bits, st.sampled_from(TURBOQUANT_DRAWN_BITS))
     seed = _knob(draw, seed, st.integers(0, 3))
     padded = _knob(draw, padded, st.booleans())
     appended = _knob(draw, appended, st.none())
@@ -68,12 +86,27 @@ def turboquant_kv_states(
         width = index_width(dim, bits)
         return mx.array(rng.integers(0, 2**32, (*shape, width), dtype=np.uint32))
 
+    fields: dict[str, Any] = {}
+    for side, dim, bits, channels in (
+        ("key", key_dim, key_bits, key_channels),
+        ("value", value_dim, value_bits, value_channels),
+    ):
+        if not is_split(bits):
+            fields |= {f"{side}_norms": norms(), f"{side}_indices": words(dim, int(bits))}
+            continue
+        low, high = split_sizes(dim, bits)
+        chosen = channels if channels is not None else high_channels_for(draw, dim, bits)
+        assert chosen is not None
+        fields |= {
+            f"{side}_norms": norms(),
+            f"{side}_indices": words(low, math.floor(bits)),
+            f"{side}_high_norms": norms(),
+            f"{side}_high_indices": words(high, math.ceil(bits)),
+            f"{side}_high_channels": mx.array(chosen, mx.int32),
+        }
     return replace(
         spec,
-        key_norms=norms(),
-        key_indices=words(key_dim, key_bits),
-        value_norms=norms(),
-        value_indices=words(value_dim, value_bits),
+        **fields,
         left_padding=mx.array(paddings, mx.int32) if padded else None,
         length=length,
         appended=appended,
