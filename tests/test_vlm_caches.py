@@ -388,8 +388,6 @@ def test_dense_kv_files_written_before_the_simple_flag_still_load(tmp_path):
     [
         (lambda: V.BufferedRotatingKVCache(8), "rollback slack"),
         (lambda: V.StaticPrefixKVCache(8), "read_only"),
-        (lambda: V.PoolingCache(4), "pooled"),
-        (lambda: V.BatchPoolingCache(4, [0]), "pooled"),
     ],
 )
 def test_refused_classes_say_why_and_what_is_supported(make, reason):
@@ -404,9 +402,9 @@ def test_refused_classes_say_why_and_what_is_supported(make, reason):
 
 def test_unsupported_classes_say_what_is_supported():
     with pytest.raises(ks.StateError) as err:
-        from_mlx_vlm([V.PoolingCache(4)])
+        from_mlx_vlm([V.StaticPrefixKVCache(4)])
     message = str(err.value)
-    assert "mlx_vlm.models.cache.PoolingCache" in message
+    assert "mlx_vlm.models.cache.StaticPrefixKVCache" in message
     assert "mlx_vlm.models.cache: " in message and "mlx_lm.models.cache: " in message
     for name in ("KVCache", "RotatingKVCache", "ArraysCache", "CacheList", "QuantizedKVCache"):
         assert name in message.split("mlx_vlm.models.cache: ")[1]
