@@ -1,6 +1,6 @@
 """mlx-vlm's TurboQuant caches (`mlx_vlm.turboquant`) <-> TurboQuantKV, O(1) like the others.
 
-    TurboQuantKVCache, BatchTurboQuantKVCache -> TurboQuantKV
+    TurboQuantKVCache, BatchTurboQuantKVCache, HybridQuantKVCache -> TurboQuantKV
 
 Both hold per side a `TurboQuantMSEState(norms (B, H, T), indices (B, H, T, W))` (integer
 bits) or a `TurboQuantSplitState(low, high)` of two of them (fractional bits, mlx-vlm's
@@ -22,7 +22,7 @@ from mlx_vlm import turboquant as tq
 
 from kvstate import StateError, TurboQuantKV
 from kvstate.kinds import replace
-from kvstate.turboquant import is_split, low_channels
+from kvstate.turboquant import is_split, low_channels, scheme_of
 
 from ._convert import fresh, register_from
 
@@ -34,16 +34,15 @@ def _bits(value: float) -> float:
     return int(value) if float(value) == int(value) else float(value)
 
 
-def _side_codec(cache: Any, side: str) -> tuple[int, mx.array | None]:
+def _side_codec(cache: Any, side: str, codec: Any) -> tuple[int, mx.array | None]:
     """(dim, high channels or None) of one side's codec; refuses any codec but MSE / Split
     over MSE with mlx-vlm's channel order."""
-    codec = getattr(cache, f"{side}_codec")
     where = f"from_mlx_vlm: {type(cache).__name__}'s {side} codec"
     if type(codec) is tq._TurboQuantMSECodec:
         return int(codec.dim), None
     if type(codec) is not tq._SplitCodec:
         raise StateError(
-            f"{where} is a {type(codec).__name__} ({side}_bits={getattr(cache, f'{side}_bits')}); "
+            f"{where} is a {type(codec).__name__} ({side}_bits={codec_bits(cache, side)}); "
             "kvstate's TurboQuantKV holds _TurboQuantMSECodec (integer bits) and _SplitCodec "
             "over it (x.5 bits), the codecs mlx-vlm's caches build"
         )
@@ -61,6 +60,13 @@ def _side_codec(cache: Any, side: str) -> tuple[int, mx.array | None]:
     return dim, mx.array(high, mx.int32)
 
 
+def codec_bits(cache: Any, side: str) -> Any:
+    """A cache's bits for one side (HybridQuantKVCache keeps them in its policy)."""
+    if isinstance(cache, tq.HybridQuantKVCache):
+        return getattr(cache.policy, side).bits
+    return getattr(cache, f"{side}_bits")
+
+
 def _spec(cache: Any) -> TurboQuantKV:
     spec = TurboQuantKV(
         key_bits=_bits(cache.key_bits), value_bits=_bits(cache.value_bits), seed=int(cache.seed)
@@ -68,8 +74,8 @@ def _spec(cache: Any) -> TurboQuantKV:
     if cache.keys is None:
         return spec
     (key_dim, key_high), (value_dim, value_high) = (
-        _side_codec(cache, "key"),
-        _side_codec(cache, "value"),
+        _side_codec(cache, "key", cache.key_codec),
+        _side_codec(cache, "value", cache.value_codec),
     )
     return replace(
         spec,
@@ -168,7 +174,10 @@ def side_state(state: TurboQuantKV, side: str) -> Any:
 
 
 def to_turboquant_cache(state: TurboQuantKV) -> Any:
-    """A new TurboQuantKVCache (no left padding) or BatchTurboQuantKVCache holding `state`."""
+    """A new TurboQuantKVCache (no left padding) or BatchTurboQuantKVCache holding `state`
+    (a HybridQuantKVCache for `form="hybrid"`)."""
+    if state.form == "hybrid":
+        return to_hybrid_cache(state)
     bits = {"bits": state.key_bits, "key_bits": state.key_bits, "value_bits": state.value_bits}
     if state.left_padding is None:
         cache = tq.TurboQuantKVCache(seed=state.seed, **bits)
@@ -187,3 +196,107 @@ def to_turboquant_cache(state: TurboQuantKV) -> Any:
         batch.keys, batch.values = side_state(state, "key"), side_state(state, "value")
     batch._refresh_fused_attention_eligibility()
     return batch
+
+
+# ---------------------------------------------------------------------------------------
+# HybridQuantKVCache: one side TurboQuant, the other mx.quantize (mlx-vlm's generate builds
+# it when a KVQuantPolicy mixes schemes); held exactly `offset` long, no padding, no batch.
+# ---------------------------------------------------------------------------------------
+
+
+def _hybrid_side(cache: Any, side: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(statics, arrays) of one side of a HybridQuantKVCache."""
+    spec, quantizer = getattr(cache.policy, side), getattr(cache, f"{side}_quantizer")
+    held = getattr(cache, f"{side}s")
+    statics: dict[str, Any] = {f"{side}_scheme": spec.scheme}
+    if type(quantizer) is tq._UniformTensorQuantizer:
+        statics |= {f"{side}_scheme": "uniform", f"{side}_bits": int(quantizer.bits)}
+        if held is None:
+            return statics, {}
+        packed, scales, biases = held
+        dim = int(packed.shape[-1]) * 32 // int(quantizer.bits)
+        arrays = {f"{side}_indices": fresh(packed), f"{side}_scales": fresh(scales)}
+        return statics | {f"{side}_dim": dim}, arrays | {f"{side}_biases": fresh(biases)}
+    if type(quantizer) is not tq._TurboTensorQuantizer:
+        raise StateError(
+            f"from_mlx_vlm: HybridQuantKVCache's {side} quantizer is a "
+            f"{type(quantizer).__name__}; kvstate knows _UniformTensorQuantizer and "
+            "_TurboTensorQuantizer"
+        )
+    statics |= {f"{side}_scheme": "turboquant", f"{side}_bits": _bits(quantizer.bits)}
+    if held is None:
+        return statics, {}
+    dim, high = _side_codec(cache, side, quantizer.codec)
+    statics |= {f"{side}_dim": dim, f"{side}_high_channels": high}
+    return statics, _side_fields(side, held, high is not None)
+
+
+@register_from(tq.HybridQuantKVCache)
+def _(cache: tq.HybridQuantKVCache, appended: int = 0) -> TurboQuantKV:
+    policy = cache.policy
+    if policy.key.group_size != policy.value.group_size:
+        raise StateError(
+            "from_mlx_vlm: HybridQuantKVCache with key group_size "
+            f"{policy.key.group_size} and value group_size {policy.value.group_size}; its "
+            "meta_state (and TurboQuantKV) keep one group size"
+        )
+    fields: dict[str, Any] = {}
+    for side in _SIDES:
+        statics, arrays = _hybrid_side(cache, side)
+        fields |= statics | arrays
+    state = TurboQuantKV(
+        seed=int(cache.seed),
+        form="hybrid",
+        group_size=int(policy.group_size),
+        policy_bits=float(policy.bits),
+    )
+    state = replace(state, **fields)
+    if cache.keys is None:
+        return state
+    return replace(state, length=int(cache.offset), appended=appended)
+
+
+def _uniform(state: TurboQuantKV, side: str) -> tuple[mx.array, mx.array, mx.array]:
+    n = state.length
+    parts = [getattr(state, f"{side}_{p}") for p in ("indices", "scales", "biases")]
+    return parts[0][:, :, :n], parts[1][:, :, :n], parts[2][:, :, :n]
+
+
+def _truncated(held: Any, n: int) -> Any:
+    """An mlx-vlm side state cut to its first `n` positions (HybridQuantKVCache has no spare
+    capacity: it concatenates)."""
+    if isinstance(held, tq.TurboQuantSplitState):
+        return tq.TurboQuantSplitState(_truncated(held.low, n), _truncated(held.high, n))
+    return tq.TurboQuantMSEState(held.norms[:, :, :n], held.indices[:, :, :n])
+
+
+def to_hybrid_cache(state: TurboQuantKV) -> Any:
+    """A new HybridQuantKVCache holding a `form="hybrid"` state (rows without padding)."""
+    from mlx_vlm.kv_quant import KVQuantPolicy, KVQuantSpec
+
+    if state.left_padding is not None:
+        if any(np.array(state.left_padding).tolist()):
+            raise StateError(
+                "to_mlx_vlm: HybridQuantKVCache holds one length for all rows (no left "
+                f"padding); this state's rows are padded {np.array(state.left_padding).tolist()}"
+                ": extract the rows (kvstate.extract) and give each back on its own"
+            )
+        state = replace(state, left_padding=None)
+
+    def spec(side: str) -> Any:
+        bits = float(getattr(state, f"{side}_bits"))
+        return KVQuantSpec(scheme_of(state, side), bits, state.group_size)
+
+    policy = KVQuantPolicy(bits=state.policy_bits, key=spec("key"), value=spec("value"))
+    cache = tq.HybridQuantKVCache(policy, seed=state.seed)
+    if state.key_indices is None:
+        return cache
+    for side in _SIDES:
+        quantizer = getattr(cache, f"{side}_quantizer")
+        if scheme_of(state, side) == "uniform":
+            setattr(cache, f"{side}s", _uniform(state, side))
+        else:
+            quantizer.codec = codec_of(state, side)
+            setattr(cache, f"{side}s", _truncated(side_state(state, side), state.length))
+    cache.offset = state.length
+    return cache

@@ -22,6 +22,12 @@ positions on axis 2 and a channel axis last, like DenseKV's: commit / merge / fi
 DenseKV's code. Row b holds its tokens at [left_padding[b], length) (None: [0, length)), as
 BatchTurboQuantKVCache does (`_idx` == length, `offset` == length - left_padding).
 
+mlx-vlm's `HybridQuantKVCache` (built by mlx-vlm's generate when a policy mixes schemes: one
+side TurboQuant, the other uniform `mx.quantize`) is the same state with `form="hybrid"`: a
+"turboquant" side as above, a "uniform" side holding mx.quantize's (packed `indices`,
+`scales`, `biases`) at `group_size`; the policy's overall bits in `policy_bits`. It has no
+left padding and no batched form (the adapter refuses padded rows).
+
 Only codec "mse" exists: mlx-vlm's KV caches build every codec with mode="mse"
 (mlx_vlm/turboquant.py `_TurboQuantAttentionMixin._ensure_codecs`,
 `TurboQuantKVCache._ensure_codecs`, `_TurboTensorQuantizer._ensure`); its Prod / Polar /
@@ -62,11 +68,20 @@ TURBOQUANT_SPLIT_BITS = (1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5)
 
 TURBOQUANT_CODECS = ("mse",)
 
+SCHEMES = ("turboquant", "uniform")
+"""A side's scheme: TurboQuant (MSE / Split), or mx.quantize's affine (HybridQuantKVCache)."""
+
+FORMS = ("turboquant", "hybrid")
+"""The mlx-vlm cache family a state stands for: (Batch)TurboQuantKVCache or HybridQuantKVCache."""
+
+UNIFORM_BITS = (2, 3, 4, 5, 6, 8)
+UNIFORM_GROUP_SIZES = (32, 64, 128)
+
 SPLIT_SEED_OFFSET = 97
 """mlx-vlm seeds a split side's high-channel codec with the side's seed + 97."""
 
 _SIDES = ("key", "value")
-_PARTS = ("norms", "indices", "high_norms", "high_indices")
+_PARTS = ("norms", "indices", "high_norms", "high_indices", "scales", "biases")
 _POSITIONAL = tuple(f"{side}_{part}" for side in _SIDES for part in _PARTS)
 
 
@@ -117,6 +132,10 @@ class TurboQuantKV(State):
     value_indices: mx.array | None = None
     value_high_norms: mx.array | None = None
     value_high_indices: mx.array | None = None
+    key_scales: mx.array | None = None
+    key_biases: mx.array | None = None
+    value_scales: mx.array | None = None
+    value_biases: mx.array | None = None
     key_high_channels: mx.array | None = None
     value_high_channels: mx.array | None = None
     left_padding: mx.array | None = None
@@ -128,6 +147,23 @@ class TurboQuantKV(State):
     value_bits: float = static_field(default=4.0)
     seed: int = static_field(default=0)
     codec: str = static_field(default="mse")
+    key_scheme: str = static_field(default="turboquant")
+    value_scheme: str = static_field(default="turboquant")
+    group_size: int = static_field(default=64)
+    form: str = static_field(default="turboquant")
+    policy_bits: float = static_field(default=0.0)
+
+    @staticmethod
+    def __kvstate_upgrade__(statics: dict[str, Any], children: dict[str, Any]) -> Any:
+        """A file written before the Split layout and HybridQuantKVCache (children: the four
+        MSE arrays and left_padding) -> today's fields (the new ones None / defaults)."""
+        old = {"key_norms", "key_indices", "value_norms", "value_indices", "left_padding"}
+        if set(children) != old:
+            return None
+        new = {f: None for f in TurboQuantKV.__kvstate_children__ if f not in children}
+        defaults: dict[str, Any] = {"key_scheme": "turboquant", "value_scheme": "turboquant"}
+        defaults |= {"group_size": 64, "form": "turboquant", "policy_bits": 0.0}
+        return {**defaults, **statics}, {**children, **new}
 
 
 def arrays_of(state: TurboQuantKV) -> list[mx.array]:
@@ -142,7 +178,7 @@ def _with_arrays(state: TurboQuantKV, arrays: Sequence[mx.array], **changes: Any
 
 
 def _is_empty(state: TurboQuantKV) -> bool:
-    return state.key_norms is None
+    return state.key_indices is None  # every scheme has indices
 
 
 _LAYOUT = Layout(arrays_of, _is_empty, _with_arrays)
@@ -154,26 +190,32 @@ def high_channels(state: TurboQuantKV, side: str) -> tuple[int, ...] | None:
     return None if channels is None else tuple(np.array(channels).tolist())
 
 
+def scheme_of(state: TurboQuantKV, side: str) -> str:
+    scheme: str = getattr(state, f"{side}_scheme")
+    return scheme
+
+
 # ---------------------------------------------------------------------------- checks
 
 
 @problems.register
 def _(state: TurboQuantKV, values: bool) -> list[str]:
     found = typed_statics(state, length=0, appended=0, key_dim=0, value_dim=0, seed=0)
+    found += _form_problems(state)
     for side in _SIDES:
-        found += _bits_problems(side, getattr(state, f"{side}_bits"))
+        found += _bits_problems(side, getattr(state, f"{side}_bits"), scheme_of(state, side))
     if found:
         return found
     if state.codec not in TURBOQUANT_CODECS:
         found.append(f"codec: {state.codec!r} is not one of {list(TURBOQUANT_CODECS)}")
     expected = {f: _expects(state, f) for f in (*_POSITIONAL, *_channel_fields())}
     present = {f: getattr(state, f) is not None for f in expected}
-    filled = present["key_norms"]
+    filled = present["key_indices"]
     for f, wanted in expected.items():
         if filled and present[f] != wanted:
             found.append(f"{f}: must be {'an array' if wanted else 'None'} for {_why(state, f)}")
         elif not filled and present[f]:
-            found.append(f"{f}: must be None while key_norms is None (an empty state)")
+            found.append(f"{f}: must be None while key_indices is None (an empty state)")
     if found:
         return found
     capacity = 0
@@ -200,19 +242,57 @@ def _channel_fields() -> tuple[str, ...]:
 
 
 def _expects(state: TurboQuantKV, field: str) -> bool:
-    """Whether a filled state holds `field` (high parts only on a split side)."""
-    side = field.split("_", 1)[0]
-    return "high" not in field or is_split(getattr(state, f"{side}_bits"))
+    """Whether a filled state holds `field`: a uniform side its indices, scales and biases; a
+    TurboQuant side its norms and indices, and a split side its high parts and channels."""
+    side, part = field.split("_", 1)
+    if scheme_of(state, side) == "uniform":
+        return part in ("indices", "scales", "biases")
+    if part in ("scales", "biases"):
+        return False
+    return "high" not in part or is_split(getattr(state, f"{side}_bits"))
 
 
 def _why(state: TurboQuantKV, field: str) -> str:
     side = field.split("_", 1)[0]
-    return f"a filled state with {side}_bits={getattr(state, f'{side}_bits')}"
+    return (
+        f"a filled state with {side}_scheme={scheme_of(state, side)!r}, "
+        f"{side}_bits={getattr(state, f'{side}_bits')}"
+    )
 
 
-def _bits_problems(side: str, bits: Any) -> list[str]:
+def _form_problems(state: TurboQuantKV) -> list[str]:
+    found = static_int("group_size", state.group_size, 1)
+    if state.form not in FORMS:
+        found.append(f"form: {state.form!r} is not one of {list(FORMS)}")
+    for side in _SIDES:
+        scheme = scheme_of(state, side)
+        if scheme not in SCHEMES:
+            found.append(f"{side}_scheme: {scheme!r} is not one of {list(SCHEMES)}")
+        elif scheme == "uniform" and state.form != "hybrid":
+            found.append(
+                f"{side}_scheme: 'uniform' sides exist only in form 'hybrid' "
+                "(HybridQuantKVCache); a TurboQuantKVCache codes both sides with TurboQuant"
+            )
+        elif scheme == "uniform" and state.group_size not in UNIFORM_GROUP_SIZES:
+            found.append(
+                f"group_size: {state.group_size} is not one of {list(UNIFORM_GROUP_SIZES)} "
+                "(mx.quantize's groups)"
+            )
+    bits = state.policy_bits
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits < 0:
+        found.append(f"policy_bits: must be a float >= 0; got {bits!r}")
+    if state.form == "hybrid" and state.left_padding is not None:
+        found.append("left_padding: a 'hybrid' state (HybridQuantKVCache) has no left padding")
+    return found
+
+
+def _bits_problems(side: str, bits: Any, scheme: str) -> list[str]:
     if isinstance(bits, bool) or not isinstance(bits, (int, float)):
         return [f"{side}_bits: must be an int or a float; got {bits!r} ({type(bits).__name__})"]
+    if scheme == "uniform":
+        if bits not in UNIFORM_BITS or is_split(bits):
+            return [f"{side}_bits: {bits} is not one of {list(UNIFORM_BITS)} (mx.quantize)"]
+        return []
     if bits not in TURBOQUANT_BITS and bits not in TURBOQUANT_SPLIT_BITS:
         return [
             f"{side}_bits: {bits} is not one of {list(TURBOQUANT_BITS)} (MSE) or "
@@ -225,6 +305,8 @@ def _side_problems(state: TurboQuantKV, side: str, values: bool) -> list[str]:
     dim, bits = getattr(state, f"{side}_dim"), getattr(state, f"{side}_bits")
     if dim < 1:
         return [f"{side}_dim: a filled state needs its head dim; got {dim}"]
+    if scheme_of(state, side) == "uniform":
+        return _uniform_problems(state, side, dim, int(bits))
     if not is_split(bits):
         return _part_problems(state, side, "", dim, int(bits))
     if dim < 2:
@@ -246,6 +328,33 @@ def _side_problems(state: TurboQuantKV, side: str, values: bool) -> list[str]:
         chosen = np.array(channels).tolist()
         if chosen != sorted(set(chosen)) or not all(0 <= c < dim for c in chosen):
             found.append(f"{name}: must be distinct channels in [0, {dim}), sorted; got {chosen}")
+    return found
+
+
+def _uniform_problems(state: TurboQuantKV, side: str, dim: int, bits: int) -> list[str]:
+    """mx.quantize's triple: packed (.., dim * bits / 32) uint32, scales and biases (..,
+    dim / group_size) of one floating dtype."""
+    group = state.group_size
+    if dim % group or (dim * bits) % 32:
+        return [f"{side}_dim: {dim} channels do not pack in groups of {group} at {bits} bits"]
+    indices = getattr(state, f"{side}_indices")
+    found = array_problems(f"{side}_indices", indices, 4)
+    for part in ("scales", "biases"):
+        found += array_problems(f"{side}_{part}", getattr(state, f"{side}_{part}"), 4, True)
+    if found:
+        return found
+    scales, biases = getattr(state, f"{side}_scales"), getattr(state, f"{side}_biases")
+    if indices.dtype != mx.uint32 or indices.shape[3] != dim * bits // 32:
+        found.append(
+            f"{side}_indices: {dim} channels at {bits} bits pack into {dim * bits // 32} "
+            f"uint32 words; got {indices.shape[3]} {indices.dtype}"
+        )
+    for name, a in ((f"{side}_scales", scales), (f"{side}_biases", biases)):
+        if a.shape[3] != dim // group or a.dtype != scales.dtype:
+            found.append(
+                f"{name}: one per group of {group} ({dim // group}) in the scales' dtype; "
+                f"got {a.shape[3]} {a.dtype}"
+            )
     return found
 
 
@@ -284,13 +393,18 @@ def _(state: TurboQuantKV) -> dict[str, Any]:
         "seed": state.seed,
         "key_high_channels": high_channels(state, "key"),
         "value_high_channels": high_channels(state, "value"),
+        "form": state.form,
+        "key_scheme": state.key_scheme,
+        "value_scheme": state.value_scheme,
+        "group_size": state.group_size,
+        "policy_bits": state.policy_bits,
     }
     if _is_empty(state):
         return kv_config("TurboQuantKV", **statics)
-    assert state.key_norms is not None
-    heads = int(state.key_norms.shape[1])
+    first = arrays_of(state)[0]
+    dtype = next(a.dtype for a in arrays_of(state) if mx.issubdtype(a.dtype, mx.floating))
     return kv_config(
-        "TurboQuantKV", state.key_norms.dtype, heads, state.key_dim, state.value_dim, **statics
+        "TurboQuantKV", dtype, int(first.shape[1]), state.key_dim, state.value_dim, **statics
     )
 
 
@@ -331,14 +445,19 @@ register_padded_rows(TurboQuantKV, _LAYOUT)
 
 
 __all__ = [
+    "FORMS",
+    "SCHEMES",
     "SPLIT_SEED_OFFSET",
     "TURBOQUANT_BITS",
     "TURBOQUANT_CODECS",
     "TURBOQUANT_SPLIT_BITS",
+    "UNIFORM_BITS",
+    "UNIFORM_GROUP_SIZES",
     "TurboQuantKV",
     "high_channels",
     "index_width",
     "is_split",
     "low_channels",
+    "scheme_of",
     "split_sizes",
 ]

@@ -11,6 +11,7 @@ from ._turboquant import (
     index_width,
     is_split,
     low_channels,
+    scheme_of,
     split_sizes,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "index_width",
     "is_split",
     "low_channels",
+    "scheme_of",
     "split_sizes",
 ]

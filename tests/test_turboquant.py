@@ -246,13 +246,18 @@ def test_merge_refuses_split_rows_of_other_channels_naming_the_field():
 
 
 def test_unsupported_codecs_are_refused_naming_the_class():
-    odd = filled(tq.TurboQuantKVCache(3, seed=0), 4, 1)
-    odd.key_codec = tq._TurboQuantProdCodec(64, 3, 0)
-    with pytest.raises(ks.StateError, match="_TurboQuantProdCodec"):
-        from_mlx_vlm(odd)
-    hybrid = tq.HybridQuantKVCache.__new__(tq.HybridQuantKVCache)  # not covered yet
-    with pytest.raises(ks.StateError, match="HybridQuantKVCache"):
-        from_mlx_vlm(hybrid)
+    # mlx-vlm's caches build only mode="mse" codecs; a cache given another one by hand is
+    # refused, naming the codec, instead of being read as MSE arrays.
+    keys = normal(0, (1, 2, 4, 64))
+    for codec, name in (
+        (tq._TurboQuantProdCodec(64, 3, 0), "_TurboQuantProdCodec"),
+        (tq._TurboQuantPolarProdCodec(64, 4, 0), "_TurboQuantPolarProdCodec"),
+        (tq._SplitCodec(keys, 2.5, "prod", 0), "_SplitCodec of mode 'prod'"),
+    ):
+        odd = filled(tq.TurboQuantKVCache(3, seed=0), 4, 1)
+        odd.key_codec = codec
+        with pytest.raises(ks.StateError, match=name):
+            from_mlx_vlm(odd)
 
 
 def test_check_refuses_a_wrong_index_width():
