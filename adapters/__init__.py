@@ -5,7 +5,7 @@ mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` 
 """
 
 # Importing the kind modules registers their converters.
-from . import _chunked, _dense, _pooled, _quantized, _recurrent, _rotating, _turboquant  # noqa: F401
+from . import _chunked, _dense, _quantized, _recurrent, _rotating, _turboquant, _vlm_only  # noqa: F401
 from ._convert import from_mlx_lm, to_mlx_lm
 from ._mtp_head import MTPHead
 from ._quantized_attention import route_attention

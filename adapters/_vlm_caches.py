@@ -13,6 +13,8 @@ update_and_fetch / trim / make_mask / filter / extend / extract against the stat
     ChunkedKVCache                             -> ChunkedKV
     QuantizedKVCache, BatchQuantizedKVCache    -> QuantizedKV
     PoolingCache, BatchPoolingCache            -> PooledKV (_vlm_pooling)
+    BufferedRotatingKVCache (keep=0)           -> BufferedWindowKV (_vlm_buffered_window)
+    StaticPrefixKVCache                        -> StaticPrefixKV (_vlm_static_prefix)
 
 mlx-vlm's ArraysCache reads `left_padding` / `lengths` through properties that subtract an
 `advance` counter (its `advance()` no longer edits the arrays in place): the state takes the
@@ -20,8 +22,8 @@ effective values and the cache made back starts with a zero counter. A cache in 
 mlx-vlm's own speculation transaction (`start_speculation` without commit or abort) is
 refused: its arrays are a tentative future that only that transaction can settle.
 
-Refused, with the reason (`REFUSED`): BufferedRotatingKVCache, StaticPrefixKVCache
-(no kind holds their layout exactly).
+A BufferedRotatingKVCache with a `keep` prefix is refused with the reason (no model builds
+one, and its state does not describe its ring buffer).
 
 `to_vlm_cache` gives mlx-vlm classes back; `_convert.to_cache` keeps giving mlx-lm's.
 This module imports mlx_vlm: only `kvstate.adapters.vlm` (and a lazy lookup in `_convert`
@@ -48,7 +50,7 @@ from kvstate import (
 )
 
 from . import _capture
-from ._convert import _FROM, REFUSED, fresh, register_from, to_cache
+from ._convert import _FROM, fresh, register_from, to_cache
 from ._rotating import fixed_make_mask
 
 # ---------------------------------------------------------------------------------------
@@ -271,22 +273,6 @@ def _batch_quantized(state: QuantizedKV) -> Any:
     return batch
 
 
-# Classes with no exact kind: from_mlx_vlm names the reason next to the supported list.
-REFUSED.update(
-    {
-        vlm.BufferedRotatingKVCache: (
-            "a linear sliding window with rollback slack (keys[:_idx] hold positions "
-            "start_position..offset-1, compacted past max_size + buffer_size, its own mask): "
-            "no kvstate kind holds that layout, and no mlx-vlm 0.7.10 model builds one"
-        ),
-        vlm.StaticPrefixKVCache: (
-            "a fixed-capacity buffer (max_size, step) with a read_only prefix mode and a "
-            "decoder_state that reads the whole allocation (llada2_moe, diffusion_gemma): "
-            "DenseKV holds none of max_size, step or read_only; not adapted yet"
-        ),
-    }
-)
-
 # A capturing forward finds mlx-vlm's recurrent caches as it finds mlx-lm's.
 _capture.LIST_CACHES += (vlm.CacheList,)
 _capture.RECURRENT_CACHES += (vlm.ArraysCache,)
@@ -298,9 +284,13 @@ from ._vlm_turboquant import to_turboquant_cache  # noqa: E402
 
 to_vlm_cache.register(TurboQuantKV, to_turboquant_cache)
 
-# PoolingCache / BatchPoolingCache (deepseek_v4, glm5_next) register their converters there.
-from kvstate import PooledKV  # noqa: E402
+# The kinds only mlx-vlm has caches for register their converters in their own modules.
+from kvstate import BufferedWindowKV, PooledKV, StaticPrefixKV  # noqa: E402
 
+from ._vlm_buffered_window import to_buffered_window_cache  # noqa: E402
 from ._vlm_pooling import to_pooling_cache  # noqa: E402
+from ._vlm_static_prefix import to_static_prefix_cache  # noqa: E402
 
 to_vlm_cache.register(PooledKV, to_pooling_cache)
+to_vlm_cache.register(BufferedWindowKV, to_buffered_window_cache)
+to_vlm_cache.register(StaticPrefixKV, to_static_prefix_cache)

@@ -6,6 +6,7 @@ kind of state with `kvstate.kinds`.
 """
 
 # Importing the kind modules registers them (`kvstate.kinds.kinds()` lists them).
+from ._buffered_window import BufferedWindowKV
 from ._checkpoints import ConvWindow, StepStates, checkpoint_at
 from ._chunked import ChunkedKV
 from ._composite import ListState, ModelState
@@ -28,6 +29,7 @@ from ._quantized import QuantizedKV, packed_width, quantize
 from ._quantized_attention import quantized_attention
 from ._recurrent import RecurrentState
 from ._rotating import RotatingKV
+from ._static_prefix import StaticPrefixKV
 from ._transforms import (
     batch_size,
     capabilities,
@@ -46,6 +48,7 @@ from ._validation import check, tree_unflatten
 from .kinds import Capabilities
 
 __all__ = [
+    "BufferedWindowKV",
     "Capabilities",
     "CheckpointRequiredError",
     "ChunkedKV",
@@ -66,6 +69,7 @@ __all__ = [
     "ShapeError",
     "State",
     "StateError",
+    "StaticPrefixKV",
     "StepStates",
     "TokenError",
     "TurboQuantKV",

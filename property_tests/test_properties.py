@@ -71,11 +71,11 @@ def parts(state: Any) -> list[Any]:
 
 
 def takes_rows(state: Any) -> bool:
-    """Unpadded kinds (chunked) have no batch axis while empty; an empty window
+    """Unpadded kinds (chunked, buffered windows, static prefixes) have no batch axis while empty; an empty window
     with `keep` has no batched form to take several rows into."""
 
     def one(p: Any) -> bool:
-        if isinstance(p, ks.ChunkedKV):
+        if isinstance(p, (ks.ChunkedKV, ks.BufferedWindowKV, ks.StaticPrefixKV)):
             return p.keys is not None
         if isinstance(p, ks.RotatingKV):
             return not (p.keep and p.keys is None)

@@ -23,7 +23,7 @@ def test_the_library_registers_its_kinds():
     names = {k.__name__ for k in LIBRARY_KINDS}
     assert names == {
         "DenseKV", "RotatingKV", "ChunkedKV", "QuantizedKV", "RecurrentState",
-        "ListState", "ModelState", "TurboQuantKV", "PooledKV",
+        "ListState", "ModelState", "TurboQuantKV", "PooledKV", "BufferedWindowKV", "StaticPrefixKV",
     }  # fmt: skip
     assert {k.__name__ for k in kinds.layer_kinds()} >= names - {"ListState", "ModelState"}
 

@@ -54,6 +54,11 @@ from ._strategies import (
     strategy_for,
 )
 from ._turboquant_strategy import turboquant_kv_states
+from ._vlm_window_strategies import (
+    buffered_update,
+    buffered_window_kv_states,
+    static_prefix_kv_states,
+)
 
 __all__ = [
     "DTYPES",
@@ -64,6 +69,8 @@ __all__ = [
     "accepted_counts",
     "assert_states_allclose",
     "assert_states_equal",
+    "buffered_update",
+    "buffered_window_kv_states",
     "chunked_kv_states",
     "dense_kv_states",
     "frozen_copy",
@@ -75,6 +82,7 @@ __all__ = [
     "recurrent_checkpoints",
     "recurrent_states",
     "rotating_kv_states",
+    "static_prefix_kv_states",
     "strategy_for",
     "turboquant_kv_states",
 ]

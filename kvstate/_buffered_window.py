@@ -1,0 +1,146 @@
+"""BufferedWindowKV: mlx-vlm's BufferedRotatingKVCache (keep=0), a linear sliding window
+with rollback slack (the DFlash drafters of qwen3 and muse_glimmer build it).
+
+Positions [start_position, offset) sit at buffer indices [0, offset - start_position). An
+update appends in place; only when the buffer would pass `max_size + max(buffer_size,
+incoming)` entries does it first compact, dropping the positions before `offset_before -
+max_size + 1`, which no query from `offset_before` on can see. So trimming the end is an
+exact rollback of any forward: the rejected tokens' queries never needed what was dropped,
+and what the kept ones need is still held (mlx-vlm's `trim` does the same). Like
+mlx-vlm's class it is unpadded: one length for all rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ._errors import ConfigMismatchError, StateError, require
+from ._shared import array_kv_config, shared_appended, uniform_count
+from ._tree import State, replace
+from ._validation import kv_pair_problems, static_int, typed_statics
+from .kinds import (
+    Capabilities,
+    batch_size_of,
+    commit_rows,
+    config_of,
+    extract_row,
+    merge_states,
+    problems,
+    state_class,
+    static_field,
+    take_rows,
+)
+
+
+@state_class(Capabilities(trimmable=True, ragged_commit=False, batchable=False))
+class BufferedWindowKV(State):
+    """mlx-vlm's BufferedRotatingKVCache with keep=0 (see the module docstring).
+
+    keys (B, H, capacity, Dk), values (B, H, capacity, Dv): positions [start_position,
+    offset) at indices [0, offset - start_position); `step`: the allocation granularity.
+    """
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    max_size: int = static_field(default=1)
+    buffer_size: int = static_field(default=64)
+    step: int = static_field(default=256)
+    offset: int = static_field(default=0)
+    start_position: int = static_field(default=0)
+    appended: int = static_field(default=0)
+
+
+def held(state: BufferedWindowKV) -> int:
+    """Buffer entries in use (mlx-vlm's `_idx`)."""
+    return state.offset - state.start_position
+
+
+@problems.register
+def _(state: BufferedWindowKV, values: bool) -> list[str]:
+    found = typed_statics(
+        state, max_size=1, buffer_size=0, step=1, offset=0, start_position=0, appended=0
+    )
+    found += kv_pair_problems(state.keys, state.values)
+    if found:
+        return found
+    capacity = 0 if state.keys is None else int(state.keys.shape[2])
+    found += static_int("start_position", state.start_position, 0, state.offset)
+    if not found:
+        found += static_int("offset - start_position", held(state), 0, capacity)
+        found += static_int("appended", state.appended, 0, held(state))
+    return found
+
+
+@batch_size_of.register
+def _(state: BufferedWindowKV) -> int:
+    return int(state.keys.shape[0]) if state.keys is not None else 1
+
+
+@config_of.register
+def _(state: BufferedWindowKV) -> dict[str, Any]:
+    return array_kv_config(
+        "BufferedWindowKV",
+        state.keys,
+        state.values,
+        max_size=state.max_size,
+        buffer_size=state.buffer_size,
+        step=state.step,
+    )
+
+
+@commit_rows.register
+def _(state: BufferedWindowKV, counts: tuple[int, ...], checkpoints: Any) -> BufferedWindowKV:
+    rejected = state.appended - uniform_count(state, counts)
+    return replace(state, offset=state.offset - rejected, appended=0)
+
+
+@take_rows.register
+def _(state: BufferedWindowKV, rows: tuple[int, ...]) -> BufferedWindowKV:
+    if state.keys is None or state.values is None:
+        if rows == (0,):
+            return state
+        raise StateError(
+            "row_select / tile: an empty BufferedWindowKV has no arrays, so no batch axis to "
+            "gather rows along; run the first forward (prefill) before tiling or selecting "
+            "rows"
+        )
+    index = mx.array(rows, mx.int32)
+    return replace(state, keys=state.keys[index], values=state.values[index])
+
+
+@merge_states.register
+def _(first: BufferedWindowKV, rest: Sequence[BufferedWindowKV]) -> BufferedWindowKV:
+    states = [first, *rest]
+    spans = [(s.start_position, s.offset) for s in states]
+    require(
+        len(set(spans)) == 1,
+        ConfigMismatchError,
+        f"merge: BufferedWindowKV states with (start_position, offset) {spans} cannot be "
+        "batched: mlx-vlm's BufferedRotatingKVCache has no left padding (one offset and one "
+        "mask for all rows), so every row must be at the same position",
+    )
+    filled = [s for s in states if s.keys is not None]
+    if len(filled) != len(states):
+        raise StateError(
+            "merge: empty BufferedWindowKV states have no batch axis to merge along; merge "
+            "after the first forward (prefill)"
+        )
+    n = held(first)
+    keys = mx.concatenate([s.keys[..., :n, :] for s in states if s.keys is not None])
+    values = mx.concatenate([s.values[..., :n, :] for s in states if s.values is not None])
+    return replace(first, keys=keys, values=values, appended=shared_appended(states))
+
+
+@extract_row.register
+def _(state: BufferedWindowKV, row: int) -> BufferedWindowKV:
+    if state.keys is None or state.values is None:
+        return state
+    n = held(state)
+    return replace(
+        state,
+        keys=mx.contiguous(state.keys[row : row + 1, :, :n]),
+        values=mx.contiguous(state.values[row : row + 1, :, :n]),
+    )
