@@ -5,6 +5,13 @@ value bits (mlx-lm's `quantized_scaled_dot_product_attention` does the same with
 for both). Queries are zero-padded and rotated like the stored keys, so the scores are those
 of the unrotated vectors; the output is rotated back with the value rotation and its pad
 channels dropped. Rows' left padding is masked here, whatever mask the caller passes.
+
+The quantized operands are always row-contiguous arrays with the queries' batch shape: MLX
+CUDA's quantized_matmul (0.32) refuses a matrix whose flags say it is not contiguous (a cache
+buffer cut at `length` < capacity: "No implementation for problem shape") and reads a
+broadcast one as if every batch were batch 0 (wrong scores, no error). So the GQA repeats
+are folded into the query rows (B, kv_heads, repeats * L, D) instead of broadcasting the
+keys, and a cut buffer is copied by `mx.contiguous` (the CPU kernel copies it anyway).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from ._errors import ShapeError, StateError, require
+from ._quant_codec import Quantized
 from ._quantized import QuantizedKV, key_codec, used_q, value_codec
 
 
@@ -38,31 +46,39 @@ def quantized_attention(
     B, n_heads, L, dim = queries.shape
     kv_heads = int(keys[0].shape[1])
     require(
-        dim == kc.dim(keys) and n_heads % kv_heads == 0,
+        keys[0].shape[0] == B and dim == kc.dim(keys) and n_heads % kv_heads == 0,
         ShapeError,
-        f"quantized_attention: queries {tuple(queries.shape)} do not fit keys of "
-        f"{kv_heads} heads x {kc.dim(keys)} dims (heads must be a multiple, dims equal)",
+        f"quantized_attention: queries {tuple(queries.shape)} do not fit keys of batch "
+        f"{keys[0].shape[0]}, {kv_heads} heads x {kc.dim(keys)} dims (batch and dims equal, "
+        "heads a multiple)",
     )
     repeats = n_heads // kv_heads
-    q = kc.rotate(queries) * scale
-    if repeats > 1:
-        q = q.reshape(B, kv_heads, repeats, L, q.shape[-1])
-        keys = (keys[0][:, :, None], keys[1][:, :, None], keys[2][:, :, None])
-        values = (values[0][:, :, None], values[1][:, :, None], values[2][:, :, None])
-    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
-    masks = [_heads_form(m, kv_heads, repeats) for m in _masks(mask, state, L)]
-    for m in masks:
-        if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + m
+    # (B, n_heads, L, D) -> (B, kv_heads, repeats * L, D): head h = kv * repeats + r reads
+    # kv head kv, as in mlx-lm's GQA.
+    q = (kc.rotate(queries) * scale).reshape(B, kv_heads, repeats * L, -1)
+    scores = mx.quantized_matmul(
+        q, *_operands(keys), transpose=True, group_size=kc.group_size, bits=kc.bits
+    )
+    masks = _masks(mask, state, L)
+    if masks:
+        scores = scores.reshape(B, kv_heads, repeats, L, -1)
+        for m in masks:
+            m = _heads_form(m, kv_heads, repeats)
+            if m.dtype == mx.bool_:
+                scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+            else:
+                scores = scores + m
+        scores = scores.reshape(B, kv_heads, repeats * L, -1)
     weights = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(
-        weights, *values, transpose=False, group_size=vc.group_size, bits=vc.bits
+        weights, *_operands(values), transpose=False, group_size=vc.group_size, bits=vc.bits
     )
-    if repeats > 1:
-        out = out.reshape(B, n_heads, L, out.shape[-1])
-    return vc.unrotate(out)
+    return vc.unrotate(out.reshape(B, n_heads, L, -1))
+
+
+def _operands(q: Quantized) -> Quantized:
+    """A triple as row-contiguous arrays (no copy when they already are)."""
+    return (mx.contiguous(q[0]), mx.contiguous(q[1]), mx.contiguous(q[2]))
 
 
 def _masks(mask: Any, state: QuantizedKV, L: int) -> list[mx.array]:
@@ -87,9 +103,8 @@ def _masks(mask: Any, state: QuantizedKV, L: int) -> list[mx.array]:
 
 
 def _heads_form(mask: mx.array, kv_heads: int, repeats: int) -> mx.array:
-    """A (.., n_heads or 1, L, S) mask in the (.., kv_heads, repeats, L, S) form of GQA."""
-    if repeats == 1 or mask.ndim < 4:
-        return mask
+    """A mask broadcastable to (B, n_heads, L, S) in the (B, kv_heads, repeats, L, S) form."""
+    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
     if mask.shape[1] == 1:
         return mx.expand_dims(mask, 2)
     return mask.reshape(mask.shape[0], kv_heads, repeats, *mask.shape[2:])
