@@ -25,8 +25,9 @@ BatchTurboQuantKVCache does (`_idx` == length, `offset` == length - left_padding
 mlx-vlm's `HybridQuantKVCache` (built by mlx-vlm's generate when a policy mixes schemes: one
 side TurboQuant, the other uniform `mx.quantize`) is the same state with `form="hybrid"`: a
 "turboquant" side as above, a "uniform" side holding mx.quantize's (packed `indices`,
-`scales`, `biases`) at `group_size`; the policy's overall bits in `policy_bits`. It has no
-left padding and no batched form (the adapter refuses padded rows).
+`scales`, `biases`) at `group_size`; the policy's overall bits in `policy_bits`. Its rows
+batch like any others here, but mlx-vlm's Hybrid cache has no left padding: the adapter
+gives back rows of one length and refuses padded ones (extract them).
 
 Only codec "mse" exists: mlx-vlm's KV caches build every codec with mode="mse"
 (mlx_vlm/turboquant.py `_TurboQuantAttentionMixin._ensure_codecs`,
@@ -281,8 +282,6 @@ def _form_problems(state: TurboQuantKV) -> list[str]:
     bits = state.policy_bits
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits < 0:
         found.append(f"policy_bits: must be a float >= 0; got {bits!r}")
-    if state.form == "hybrid" and state.left_padding is not None:
-        found.append("left_padding: a 'hybrid' state (HybridQuantKVCache) has no left padding")
     return found
 
 

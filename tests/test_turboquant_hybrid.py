@@ -152,7 +152,6 @@ def test_check_refuses_inconsistent_hybrid_states():
         ({"group_size": 48}, "group_size: 48 is not one of"),
         ({"value_bits": 7}, r"value_bits: 7 is not one of \[2, 3, 4, 5, 6, 8\]"),
         ({"value_scales": None}, "value_scales: must be an array"),
-        ({"left_padding": mx.zeros((1,), mx.int32)}, "has no left padding"),
     ):
         with pytest.raises(ks.StateError, match=message):
             ks.check(ks.kinds.replace(state, **changes))

@@ -1,0 +1,198 @@
+"""TurboQuantKV (mlx-vlm's TurboQuant caches, integer bits and the Split layout) as a state
+machine against a NumPy reference.
+
+A reference row is the row's valid tokens, each token every packed array of its key (norm,
+indices; a split side's high norm and high indices too) and of its value laid side by side
+as int64 (bit-exact). A forward runs mlx-vlm's own update_and_fetch on the cache the state
+converts to (TurboQuantKVCache, or BatchTurboQuantKVCache for padded rows); the reference
+appends what mlx-vlm's codecs, built here from the machine's (dim, bits, seed, channels),
+make of the same raw keys and values (TurboQuant codes every token on its own, so a chunk
+codes the same alone). Every row transform (tile, row_select, filter, merge, extend,
+extract, snapshot) and uniform or ragged commits run in any order between forwards.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+pytest.importorskip("mlx_vlm")
+
+from mlx_vlm import turboquant as tq
+
+import kvstate as ks
+from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
+from kvstate.kinds import record_forward
+from kvstate.testing import accepted_counts, turboquant_kv_states
+from kvstate.turboquant import is_split, low_channels, split_sizes
+
+from ._machine import RowMachine
+from ._reference import Row, assert_rows_equal, bits
+
+_PARTS = ("norms", "indices", "high_norms", "high_indices")
+
+
+def reference_codec(dim: int, side_bits: float, seed: int, high: tuple[int, ...] | None) -> Any:
+    """mlx-vlm's codec for one side, built from mlx-vlm's own constructors (not kvstate's)."""
+    if high is None:
+        return tq._TurboQuantMSECodec(dim, int(side_bits), seed)
+    low = low_channels(dim, high)
+    return tq._SplitCodec.from_indices(dim, float(side_bits), "mse", seed, low, list(high))
+
+
+def _coded(held: Any) -> list[mx.array]:
+    """An mlx-vlm side state's arrays, (B, H, T, X) each (norms get a trailing axis)."""
+    if isinstance(held, tq.TurboQuantSplitState):
+        return _coded(held.low) + _coded(held.high)
+    return [held.norms[..., None], held.indices]
+
+
+def _tokens(arrays: list[mx.array], b: int, lo: int, hi: int) -> np.ndarray:
+    """Row b's positions lo..hi of a side's arrays as (H, T, X) int64, bit for bit."""
+    return np.concatenate([bits(a[b, :, lo:hi]).astype(np.int64) for a in arrays], axis=-1)
+
+
+def side_arrays(state: ks.TurboQuantKV, side: str) -> list[mx.array]:
+    found = [getattr(state, f"{side}_{part}") for part in _PARTS]
+    return [a for a in found if a is not None]
+
+
+def turboquant_rows(state: ks.TurboQuantKV) -> list[Row]:
+    batch = ks.batch_size(state)
+    if state.key_indices is None:
+        assert state.length == 0
+        return [Row(np.zeros((1, 0, 0)), np.zeros((1, 0, 0))) for _ in range(batch)]
+    keys, values = side_arrays(state, "key"), side_arrays(state, "value")
+    assert all(a.shape[2] >= state.length for a in keys + values), "buffer shorter than length"
+    pads = [0] * batch if state.left_padding is None else np.array(state.left_padding).tolist()
+    return [
+        Row(_tokens(keys, b, pads[b], state.length), _tokens(values, b, pads[b], state.length))
+        for b in range(batch)
+    ]
+
+
+def vlm_forward(state: ks.TurboQuantKV, keys: mx.array, values: mx.array) -> ks.TurboQuantKV:
+    """What an attention layer does to `state` running K new tokens on mlx-vlm's cache."""
+    cache = to_mlx_vlm(state)
+    cache.update_and_fetch(keys, values)
+    return record_forward(from_mlx_vlm(cache), state, keys.shape[2])
+
+
+class TurboQuantMachine(RowMachine):
+    @initialize(
+        data=st.data(),
+        heads=st.integers(1, 2),
+        dims=st.tuples(st.sampled_from([8, 12, 16]), st.sampled_from([8, 12, 16])),
+        side_bits=st.tuples(st.sampled_from([2, 3, 2.5, 3.5]), st.sampled_from([2, 3, 2.5])),
+        seed=st.integers(0, 3),
+        padded=st.booleans(),
+    )
+    def start(
+        self,
+        data: Any,
+        heads: int,
+        dims: tuple[int, int],
+        side_bits: tuple[float, float],
+        seed: int,
+        padded: bool,
+    ) -> None:
+        chosen = []
+        for dim, b in zip(dims, side_bits, strict=True):
+            if not is_split(b):
+                chosen.append(None)
+                continue
+            order = data.draw(st.permutations(range(dim)), label="channel order")
+            chosen.append(tuple(sorted(order[: split_sizes(dim, b)[1]])))
+        self.dims = dims
+        self.config = {
+            "heads": heads,
+            "key_dim": dims[0],
+            "value_dim": dims[1],
+            "key_bits": side_bits[0],
+            "value_bits": side_bits[1],
+            "key_channels": chosen[0],
+            "value_channels": chosen[1],
+            "seed": seed,
+            "empty": False,  # a split side's channels come with its first tokens
+        }
+        self.codecs = (
+            reference_codec(dims[0], side_bits[0], seed, chosen[0]),
+            reference_codec(dims[1], side_bits[1], seed + 1, chosen[1]),
+        )
+        event(f"turboquant bits {side_bits}")
+        self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
+        state = data.draw(turboquant_kv_states(padded=padded, **self.config), label="initial")
+        self.begin(data, state)
+
+    def draw_state(self, label: str, batch: int | None = None) -> ks.TurboQuantKV:
+        return self.data.draw(turboquant_kv_states(batch=batch, **self.config), label=label)
+
+    def read_rows(self, state: Any) -> list[Row]:
+        return turboquant_rows(state)
+
+    def assert_rows(self) -> None:
+        assert_rows_equal(turboquant_rows(self.state), self.rows, "TurboQuantKV")
+
+    @rule(k=st.integers(1, 3))
+    def forward(self, k: int) -> None:
+        shape = (self.batch, self.config["heads"], k)
+        keys = mx.array(self.rng.standard_normal((*shape, self.dims[0])).astype(np.float32))
+        values = mx.array(self.rng.standard_normal((*shape, self.dims[1])).astype(np.float32))
+        self.state = self.apply("forward", vlm_forward, self.state, keys, values)
+        qk, qv = _coded(self.codecs[0].quantize(keys)), _coded(self.codecs[1].quantize(values))
+        self.rows = [
+            r.append(_tokens(qk, b, 0, k), _tokens(qv, b, 0, k)) for b, r in enumerate(self.rows)
+        ]
+        self.pending = k
+
+    @rule(data=st.data())
+    def commit(self, data: Any) -> None:
+        accepted = data.draw(accepted_counts(self.state), label="accepted")
+        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
+        self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
+        ragged = len(set(counts)) > 1
+        event(f"turboquant commit: {'ragged' if ragged else 'uniform'}")
+        rows = []
+        for r, n in zip(self.rows, counts, strict=True):
+            kept = r.take(r.length - self.pending + n)
+            moved = ragged and n < max(counts)  # a ragged commit may reorder this row
+            rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
+        self.rows, self.pending = rows, 0
+
+    @rule(k=st.integers(1, 3), data=st.data())
+    def speculate(self, k: int, data: Any) -> None:
+        """A verify forward of k draft tokens, then each row keeps its accepted prefix."""
+        self.forward(k)
+        self.commit(data)
+
+    @rule()
+    def save_load(self) -> None:
+        """A save / load round trip: later forwards decode with codecs from the statics."""
+        with tempfile.TemporaryDirectory() as where:
+            path = f"{where}/tq.safetensors"
+            ks.save(path, self.state)
+            self.state = self.apply("save_load", ks.load, path)
+
+    @invariant()
+    def bookkeeping_matches(self) -> None:
+        assert self.state.appended == self.pending
+        pads = self.state.left_padding
+        held = (
+            [self.state.length - p for p in np.array(pads).tolist()] if pads is not None else None
+        )
+        assert (held or [self.state.length] * self.batch) == [r.length for r in self.rows]
+        for side in ("key", "value"):  # the channels never change: every row's codec is one
+            want = self.config[f"{side}_channels"]
+            got = getattr(self.state, f"{side}_high_channels")
+            assert (got is None) == (want is None)
+            assert got is None or tuple(np.array(got).tolist()) == want
+
+
+TestTurboQuantMachine = TurboQuantMachine.TestCase
