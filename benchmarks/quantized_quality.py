@@ -10,9 +10,12 @@ prompt. Part 3: decode-step time of the wrapped model with asymmetric states aga
 QuantizedKVCache at equal memory (K5/V3 vs 4 bits, K8/V4 vs 6, K4/V2 vs 3: the same bits per
 key+value pair, same scales), interleaved, with the paired ratio (float32: the CPU has no
 fast float16).
+Part 1b (`turboquant`, also run with `quality`): mlx-vlm's TurboQuantKVCache at integer (MSE)
+and x.5 (Split) bits and HybridQuantKVCache on the same data, each error computed from
+kvstate's TurboQuantKV and from mlx-vlm's own cache side by side.
 
     python benchmarks/quantized_quality.py [--context 1024] [--steps 24] [--reps 5]
-        [--parts quality,model,kernels,decode]
+        [--parts quality,turboquant,model,kernels,decode]
 """
 
 from __future__ import annotations
@@ -86,43 +89,91 @@ def quality_rows() -> None:
             )
 
 
-def turboquant_rows() -> None:
-    """mlx-vlm's TurboQuant-MSE (keys and values at `bits`, seed 0) on the same data, decoded
-    twice: by kvstate's TurboQuantKV (from_mlx_vlm, codecs rebuilt from its statics) and by
-    mlx-vlm's own cache; attention through mlx-vlm's quantized_attention on the cache made back
-    from the state. The two error columns must agree exactly (issue 9)."""
-    from mlx_vlm import turboquant as tq
+TURBOQUANT_METHODS = [  # (name, TurboQuantKVCache key_bits, value_bits)
+    ("TurboQuant-MSE K4/V4", 4, 4),
+    ("TurboQuant-MSE K3/V3", 3, 3),
+    ("TurboQuant-MSE K2/V2", 2, 2),
+    ("TurboQuant-Split K3.5/V3.5", 3.5, 3.5),
+    ("TurboQuant-Split K2.5/V2.5", 2.5, 2.5),
+    ("TurboQuant-Split K3.5/V2.5", 3.5, 2.5),
+]
+HYBRID_METHODS = [  # (name, policy bits, group size, key scheme / bits, value scheme / bits)
+    ("Hybrid K tq-Split3.5 / V uniform4 g64", 3.5, 64, "turboquant", 3.5, "uniform", 4),
+    ("Hybrid K uniform8 g64 / V tq-MSE3", 3, 64, "uniform", 8, "turboquant", 3),
+]
 
-    from kvstate.adapters._vlm_turboquant import codecs
+
+def _side_bytes(state: Any, side: str, per: int) -> float:
+    parts = ("norms", "indices", "high_norms", "high_indices", "scales", "biases")
+    found = [getattr(state, f"{side}_{p}") for p in parts]
+    return sum(a.nbytes for a in found if a is not None) / per
+
+
+def _decoded(state: Any, side: str) -> mx.array:
+    """One side decoded from kvstate's state alone: codecs rebuilt from its statics (or
+    mx.dequantize for a Hybrid cache's uniform side)."""
+    from kvstate.adapters._vlm_turboquant import codec_of, side_state
+
+    if state.form == "hybrid" and getattr(state, f"{side}_scheme") == "uniform":
+        packed, scales, biases = (
+            getattr(state, f"{side}_{p}") for p in ("indices", "scales", "biases")
+        )
+        bits = int(getattr(state, f"{side}_bits"))
+        return mx.dequantize(packed, scales, biases, group_size=state.group_size, bits=bits)
+    return codec_of(state, side).dequantize(side_state(state, side))
+
+
+def turboquant_rows() -> None:
+    """mlx-vlm's TurboQuant caches (seed 0) fed the same data: TurboQuantKVCache at integer bits
+    (MSE) and x.5 bits (Split: data-chosen high channels), and HybridQuantKVCache (one side
+    TurboQuant, the other mx.quantize). Each error twice, side by side: decoded from kvstate's
+    state (codecs rebuilt from its statics and channels) and by mlx-vlm's own cache; attention
+    through the cache made back from the state and through mlx-vlm's original cache
+    (TurboQuant: its quantized_attention; Hybrid: SDPA over its dequantized K/V, what its
+    attention reads). The pairs must agree exactly (issue 9)."""
+    from mlx_vlm import turboquant as tq
+    from mlx_vlm.kv_quant import from_legacy
+
     from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 
     print(
-        "\n| method | bytes/elem K | data | key err (state) | key err (mlx-vlm) | value err "
-        "| attention err |"
+        "\n| method | bytes/elem K | bytes/elem V | data | key err (state / mlx-vlm) "
+        "| value err (state / mlx-vlm) | attention err (state / mlx-vlm) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for bits in (4, 3, 2):
+    scale = 128**-0.5
+
+    def attention(cache: Any, q: mx.array) -> mx.array:
+        if isinstance(cache, tq.HybridQuantKVCache):
+            k_hat, v_hat = cache.dequantize()
+            return mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=scale, mask=None)
+        return cache.quantized_attention(q, scale=scale)
+
+    made: list[tuple[str, Any]] = [
+        (name, lambda kb=kb, vb=vb: tq.TurboQuantKVCache(3, seed=0, key_bits=kb, value_bits=vb))
+        for name, kb, vb in TURBOQUANT_METHODS
+    ]
+    for name, bits, group, k_scheme, k_bits, v_scheme, v_bits in HYBRID_METHODS:
+        policy = from_legacy(bits, "turboquant", group, k_bits, v_bits, k_scheme, v_scheme)
+        made.append((name, lambda policy=policy: tq.HybridQuantKVCache(policy, seed=0)))
+    for name, new_cache in made:
         for outliers in (False, True):
             q, k, v = kv_data(outliers)
-            cache = tq.TurboQuantKVCache(bits, seed=0)
+            cache = new_cache()
             cache.update_and_fetch(k, v)
             state = from_mlx_vlm(cache)
-            kc, vc = codecs(state)
-            k_hat = kc.dequantize(tq.TurboQuantMSEState(state.key_norms[..., 0], state.key_indices))
-            v_hat = vc.dequantize(
-                tq.TurboQuantMSEState(state.value_norms[..., 0], state.value_indices)
-            )
-            theirs = cache.dequantize()[0]
-            kb = (state.key_norms.nbytes + state.key_indices.nbytes) / k.size
+            theirs_k, theirs_v = cache.dequantize()
+            exact = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
+            ours_att, theirs_att = attention(to_mlx_vlm(state), q), attention(cache, q)
+            pairs = [
+                (rel(_decoded(state, "key"), k), rel(theirs_k, k)),
+                (rel(_decoded(state, "value"), v), rel(theirs_v, v)),
+                (rel(ours_att, exact), rel(theirs_att, exact)),
+            ]
             data = "outliers x10" if outliers else "Gaussian"
-            back = to_mlx_vlm(state)
-            exact = mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5, mask=None)
-            approx = back.quantized_attention(q, scale=128**-0.5)
-            print(
-                f"| TurboQuant-MSE K{bits}/V{bits} | {kb:.3f} | {data} | {rel(k_hat, k):.3f} | "
-                f"{rel(theirs, k):.3f} | {rel(v_hat, v):.3f} | {rel(approx, exact):.3f} |",
-                flush=True,
-            )
+            cells = " | ".join(f"{a:.3f} / {b:.3f}" for a, b in pairs)
+            kb, vb = _side_bytes(state, "key", k.size), _side_bytes(state, "value", v.size)
+            print(f"| {name} | {kb:.3f} | {vb:.3f} | {data} | {cells} |", flush=True)
 
 
 def model_rows() -> None:
@@ -261,6 +312,7 @@ def main() -> None:
     print(f"mlx {mx.__version__}, {mx.default_device()}, {platform.machine()}\n")
     if "quality" in parts:
         quality_rows()
+    if "quality" in parts or "turboquant" in parts:
         turboquant_rows()
     if "model" in parts:
         model_rows()
