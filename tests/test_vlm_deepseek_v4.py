@@ -1,0 +1,124 @@
+"""A tiny random-init mlx-vlm deepseek_v4 (sliding windows, and compressed attention whose
+PoolingCaches pool every 4 or 128 tokens) through `wrap`, against mlx-vlm's own generation
+on its own caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+import mlx.core as mx
+from mlx_vlm.models import deepseek_v4
+from mlx_vlm.models.cache import make_prompt_cache
+
+import kvstate as ks
+from kvstate.adapters.vlm import wrap
+from tests.vlm_helpers import _scaled, vlm_generate
+
+VOCAB = 64
+PROMPT = [3, 17, 42, 9, 60, 7, 1, 25, 33, 12]
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = deepseek_v4.ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        head_dim=32,
+        compress_ratios=[0, 4, 128],  # local; sparse compressed (ratio 4); compressed
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        num_hash_layers=0,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=32,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        index_block=4,
+        index_keep=2,
+        num_nextn_predict_layers=0,
+    )
+    mx.random.seed(0)
+    return _scaled(deepseek_v4.Model(config), 0, 2.0)
+
+
+def test_init_state_holds_pooled_layers(model):
+    state = wrap(model).init_state()
+    kinds = [type(p).__name__ for layer in state.layers for p in getattr(layer, "states", [layer])]
+    assert kinds.count("PooledKV") == 3 and "RotatingKV" in kinds
+
+
+def test_greedy_equals_mlx_vlm_generate(model):
+    ref, ref_logprobs = vlm_generate(model, PROMPT, 16)
+    assert len(set(ref)) >= 4, "a degenerate oracle: the weights should make tokens vary"
+    m = wrap(model)
+    logits, state = m(mx.array([PROMPT]), m.init_state())
+    got = []
+    for theirs in ref_logprobs:
+        step = logits[0, -1]
+        np.testing.assert_allclose(
+            np.array(step - mx.logsumexp(step)), np.array(theirs).reshape(-1), **TOL
+        )
+        got.append(int(step.argmax().item()))
+        logits, state = m(mx.array([got[-1:]]), state)
+    assert got == ref
+
+
+def test_teacher_forced_logits_equal_mlx_vlm_on_its_caches(model):
+    chunks = [PROMPT, [5], [9, 2, 40], [1], [8, 8, 3, 30, 2], [11], [4, 50]]
+    caches = make_prompt_cache(model.language_model)
+    m = wrap(model)
+    state = m.init_state()
+    for chunk in chunks:
+        theirs = model.language_model(mx.array([chunk]), cache=caches).logits
+        ours, state = m(mx.array([chunk]), state)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOL)
+
+
+def test_speculative_decode_equals_greedy_and_refuses_only_pooled_rollbacks(model):
+    """Draft-and-verify through commit_prefix equals mlx-vlm's greedy tokens. A commit the
+    pooled layer cannot make (the kept window was pooled) raises CommitError; the decoder
+    then re-runs the accepted tokens from the state before the verify."""
+    n, k = 24, 4
+    ref, _ = vlm_generate(model, PROMPT, n + k)
+    m = wrap(model)
+    rng = np.random.default_rng(0)
+    logits, state = m(mx.array([PROMPT]), m.init_state())
+    y = int(logits[0, -1].argmax().item())
+    out: list[int] = []
+    outcomes = {"committed": 0, "refused": 0}
+    while len(out) < n:
+        out.append(y)
+        at = len(out)
+        draft = [
+            ref[at + i] if rng.random() < 0.6 else (ref[at + i] + 1) % VOCAB for i in range(k - 1)
+        ]
+        logits, verified = m(mx.array([[y, *draft]]), state)
+        preds = np.array(logits[0].argmax(-1)).tolist()
+        ok = 0
+        while ok < k - 1 and draft[ok] == preds[ok]:
+            ok += 1
+        try:
+            state = ks.commit_prefix(verified, 1 + ok)
+            outcomes["committed"] += 1 if ok < k - 1 else 0
+        except ks.CommitError as err:
+            assert "pooled" in str(err)
+            _, state = m(mx.array([[y, *draft[:ok]]]), state)
+            outcomes["refused"] += 1
+        out.extend(draft[:ok])
+        y = preds[ok]
+    assert out[:n] == ref[:n]
+    assert outcomes["committed"] >= 2 and outcomes["refused"] >= 1, outcomes
