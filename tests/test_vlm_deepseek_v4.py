@@ -19,7 +19,6 @@ from tests.vlm_helpers import _scaled, vlm_generate
 
 VOCAB = 64
 PROMPT = [3, 17, 42, 9, 60, 7, 1, 25, 33, 12]
-TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def test_greedy_equals_mlx_vlm_generate(model):
     for theirs in ref_logprobs:
         step = logits[0, -1]
         np.testing.assert_allclose(
-            np.array(step - mx.logsumexp(step)), np.array(theirs).reshape(-1), **TOL
+            np.array(step - mx.logsumexp(step)), np.array(theirs).reshape(-1), rtol=1e-4, atol=1e-4
         )
         got.append(int(step.argmax().item()))
         logits, state = m(mx.array([got[-1:]]), state)
@@ -85,7 +84,7 @@ def test_teacher_forced_logits_equal_mlx_vlm_on_its_caches(model):
     for chunk in chunks:
         theirs = model.language_model(mx.array([chunk]), cache=caches).logits
         ours, state = m(mx.array([chunk]), state)
-        np.testing.assert_allclose(np.array(ours), np.array(theirs), **TOL)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-4, atol=1e-4)
 
 
 def test_speculative_decode_equals_greedy_and_refuses_only_pooled_rollbacks(model):
