@@ -1,7 +1,8 @@
 """One forward of an mlx-lm model over a kvstate state: the one place a model runs.
 
 state -> fresh mlx-lm cache objects (O(1)) -> the model -> a new state, each layer stamped
-with the tokens it appended (`record_forward`). Options: `lengths` for a right-padded prompt
+with the tokens it appended (`from_cache(cache, width)`, and `record_forward` for kinds that
+have their own). Options: `lengths` for a right-padded prompt
 batch (mlx-lm's prepare / finalize around the call), `capture` for a verify forward that also
 returns recurrent checkpoints (see `_capture`), `projections` for the final hidden states
 (see `_hidden`).
@@ -57,8 +58,8 @@ def run(
     """
     if caches is None:
         caches = [convert(layer) for layer in state.layers]
-    if needs_routing(model, caches):  # a QuantizedKV that only kvstate's attention reads
-        route_attention(model)
+        if needs_routing(model, caches):  # a QuantizedKV that only kvstate's attention reads
+            route_attention(model)
     width = tokens.shape[1]
     padded = lengths is not None and any(n != width for n in lengths)
     if padded:
@@ -79,9 +80,13 @@ def run(
     if padded:
         for c in caches:
             c.finalize()
-    # Read back and stamp each layer in one pass (this runs every decode step).
-    pairs = zip(caches, state.layers, strict=True)
-    new = ModelState(tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs))
+    # Read back each layer, stamped with the `width` tokens it appended (this runs every
+    # decode step: only kinds with their own `record_forward` pay for a second dispatch).
+    layers = []
+    for c, before in zip(caches, state.layers, strict=True):
+        layer = from_cache(c, width)
+        layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
+    new = ModelState(tuple(layers))
     if not capture:
         return Forward(logits, new, None, hidden, caches)
     if records is not None and all(r.complete() for r in records):
@@ -91,6 +96,19 @@ def run(
         )
         return Forward(logits, new, checkpoints, hidden)
     return Forward(logits, new, _replay(model, tokens, state, new, convert), hidden)
+
+
+_STAMPS: dict[type, bool] = {}
+
+
+def _own_stamp(layer: Any) -> bool:
+    """Whether `layer`'s kind has its own `record_forward` (windows keep what a multi-token
+    forward evicted); for the others `from_cache(cache, width)` already stamped it."""
+    cls = type(layer)
+    own = _STAMPS.get(cls)
+    if own is None:
+        own = _STAMPS[cls] = record_forward.dispatch(cls) is not record_forward.dispatch(object)
+    return own
 
 
 def _replay(

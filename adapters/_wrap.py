@@ -224,6 +224,12 @@ class WrappedModel:
     def _tokens(self, tokens: Any, state: ModelState) -> tuple[mx.array, mx.array | None]:
         """Tokens as a checked (B, K) integer array, and for mx.array ids the mask of ids
         outside the vocabulary (None when the ids were checked on the host)."""
+        if type(tokens) is mx.array and tokens.dtype in _ID_DTYPES and tokens.ndim == 2:
+            # A decode step's ids: only the batch and the vocabulary are left to check.
+            rows, width = tokens.shape
+            if rows and width:
+                _check_batch(rows, state)
+                return _guarded(tokens, self.vocab_size)
         if isinstance(tokens, mx.array):
             ids, host = tokens, None
         else:
@@ -247,7 +253,7 @@ class WrappedModel:
                     f"token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})"
                 )
             return ids.astype(mx.int32), None
-        return _guarded(ids, mx.array(vocab, ids.dtype))
+        return _guarded(ids, vocab)
 
 
 def _host_ids(tokens: Any) -> np.ndarray:
@@ -280,11 +286,16 @@ def _holds_arrays(layer: Any) -> bool:
     return bool(tree_flatten(layer)[0])
 
 
+_ID_DTYPES = frozenset({mx.int32, mx.int64, mx.uint32, mx.int16, mx.uint16, mx.int8, mx.uint8})
+
+
 @mx.compile
-def _guarded(ids: mx.array, vocab: mx.array) -> tuple[mx.array, mx.array]:
-    """Ids outside 0..vocab-1 replaced by 0 (MLX's CPU gather does not check bounds), and
-    where they were. Compiled: one fused kernel instead of four ops on every step."""
-    bad = (ids < 0) | (ids >= vocab)
+def _guarded(ids: mx.array, vocab: int) -> tuple[mx.array, mx.array]:
+    """Ids outside 0..vocab-1 replaced by 0 (neither MLX's CPU nor its CUDA gather checks
+    bounds), and where they were. Compiled (`vocab` a constant of it, one per model): one
+    fused kernel instead of four ops on every step."""
+    wide = ids.astype(mx.int64)  # an int8 / uint8 / int16 id cannot hold the vocab size
+    bad = (wide < 0) | (wide >= vocab)
     return mx.where(bad, 0, ids), bad
 
 

@@ -186,6 +186,20 @@ def test_out_of_vocabulary_mx_array_ids_give_nan_logits_not_a_crash(llama2):
     assert llama2.vocab_size == VOCAB
 
 
+@pytest.mark.parametrize(
+    "dtype", [mx.int8, mx.uint8, mx.int16, mx.uint16, mx.uint32, mx.int64, mx.uint64]
+)
+def test_ids_of_every_integer_dtype_are_bounded_by_the_vocabulary(llama2, dtype):
+    """The vocabulary size does not fit an int8 / uint8 id: the guard must not compare in the
+    ids' own dtype (it did: 256 became 0 and every int8 / uint8 id read as outside)."""
+    state = prefilled(llama2)
+    want = np.array(llama2(mx.array([[5, 6]]), state)[0])
+    np.testing.assert_array_equal(np.array(llama2(mx.array([[5, 6]], dtype=dtype), state)[0]), want)
+    if mx.iinfo(dtype).max >= VOCAB:
+        logits, _ = llama2(mx.array([[5, VOCAB]], dtype=dtype), state)
+        assert np.isnan(np.array(logits)[0, 1]).all() and np.isfinite(np.array(logits)[0, 0]).all()
+
+
 def test_capture_checks_too(hybrid):
     state = prefilled(hybrid)
     with pytest.raises(ks.TokenError):
