@@ -395,7 +395,10 @@ def _(state: TurboQuantKV) -> dict[str, Any]:
         "form": state.form,
         "key_scheme": state.key_scheme,
         "value_scheme": state.value_scheme,
-        "group_size": state.group_size,
+        # mx.quantize's groups matter only to a uniform side (None: matches anything)
+        "group_size": state.group_size
+        if "uniform" in (state.key_scheme, state.value_scheme)
+        else None,
         "policy_bits": state.policy_bits,
     }
     if _is_empty(state):

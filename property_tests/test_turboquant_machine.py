@@ -9,6 +9,10 @@ appends what mlx-vlm's codecs, built here from the machine's (dim, bits, seed, c
 make of the same raw keys and values (TurboQuant codes every token on its own, so a chunk
 codes the same alone). Every row transform (tile, row_select, filter, merge, extend,
 extract, snapshot) and uniform or ragged commits run in any order between forwards.
+
+`HybridMachine` does the same for HybridQuantKVCache states (form "hybrid": one side
+TurboQuant, the other mx.quantize's triple, the reference coding it with mx.quantize itself);
+mlx-vlm's Hybrid cache has no left padding, so its forwards run only on unpadded rows.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 pytest.importorskip("mlx_vlm")
 
@@ -36,7 +40,7 @@ from kvstate.turboquant import is_split, low_channels, split_sizes
 from ._machine import RowMachine
 from ._reference import Row, assert_rows_equal, bits
 
-_PARTS = ("norms", "indices", "high_norms", "high_indices")
+_PARTS = ("norms", "indices", "high_norms", "high_indices", "scales", "biases")
 
 
 def reference_codec(dim: int, side_bits: float, seed: int, high: tuple[int, ...] | None) -> Any:
@@ -51,7 +55,19 @@ def _coded(held: Any) -> list[mx.array]:
     """An mlx-vlm side state's arrays, (B, H, T, X) each (norms get a trailing axis)."""
     if isinstance(held, tq.TurboQuantSplitState):
         return _coded(held.low) + _coded(held.high)
-    return [held.norms[..., None], held.indices]
+    if isinstance(held, tq.TurboQuantMSEState):
+        return [held.norms[..., None], held.indices]
+    return list(held)  # mx.quantize's (packed, scales, biases)
+
+
+class UniformCodec:
+    """A Hybrid cache's uniform side, as mlx-vlm codes it: mx.quantize at (group, bits)."""
+
+    def __init__(self, group_size: int, side_bits: int) -> None:
+        self.group_size, self.bits = group_size, side_bits
+
+    def quantize(self, x: mx.array) -> tuple[mx.array, ...]:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
 
 def _tokens(arrays: list[mx.array], b: int, lo: int, hi: int) -> np.ndarray:
@@ -85,51 +101,12 @@ def vlm_forward(state: ks.TurboQuantKV, keys: mx.array, values: mx.array) -> ks.
     return record_forward(from_mlx_vlm(cache), state, keys.shape[2])
 
 
-class TurboQuantMachine(RowMachine):
-    @initialize(
-        data=st.data(),
-        heads=st.integers(1, 2),
-        dims=st.tuples(st.sampled_from([8, 12, 16]), st.sampled_from([8, 12, 16])),
-        side_bits=st.tuples(st.sampled_from([2, 3, 2.5, 3.5]), st.sampled_from([2, 3, 2.5])),
-        seed=st.integers(0, 3),
-        padded=st.booleans(),
-    )
-    def start(
-        self,
-        data: Any,
-        heads: int,
-        dims: tuple[int, int],
-        side_bits: tuple[float, float],
-        seed: int,
-        padded: bool,
-    ) -> None:
-        chosen = []
-        for dim, b in zip(dims, side_bits, strict=True):
-            if not is_split(b):
-                chosen.append(None)
-                continue
-            order = data.draw(st.permutations(range(dim)), label="channel order")
-            chosen.append(tuple(sorted(order[: split_sizes(dim, b)[1]])))
-        self.dims = dims
-        self.config = {
-            "heads": heads,
-            "key_dim": dims[0],
-            "value_dim": dims[1],
-            "key_bits": side_bits[0],
-            "value_bits": side_bits[1],
-            "key_channels": chosen[0],
-            "value_channels": chosen[1],
-            "seed": seed,
-            "empty": False,  # a split side's channels come with its first tokens
-        }
-        self.codecs = (
-            reference_codec(dims[0], side_bits[0], seed, chosen[0]),
-            reference_codec(dims[1], side_bits[1], seed + 1, chosen[1]),
-        )
-        event(f"turboquant bits {side_bits}")
-        self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
-        state = data.draw(turboquant_kv_states(padded=padded, **self.config), label="initial")
-        self.begin(data, state)
+class TurboQuantRows(RowMachine):
+    """The rules and reference of both machines; each sets `dims`, `config`, `codecs` and
+    `rng`, then calls `begin`."""
+
+    def noise(self, shape: tuple[int, ...]) -> mx.array:
+        return mx.array(self.rng.standard_normal(shape).astype(np.float32))
 
     def draw_state(self, label: str, batch: int | None = None) -> ks.TurboQuantKV:
         return self.data.draw(turboquant_kv_states(batch=batch, **self.config), label=label)
@@ -143,8 +120,7 @@ class TurboQuantMachine(RowMachine):
     @rule(k=st.integers(1, 3))
     def forward(self, k: int) -> None:
         shape = (self.batch, self.config["heads"], k)
-        keys = mx.array(self.rng.standard_normal((*shape, self.dims[0])).astype(np.float32))
-        values = mx.array(self.rng.standard_normal((*shape, self.dims[1])).astype(np.float32))
+        keys, values = self.noise((*shape, self.dims[0])), self.noise((*shape, self.dims[1]))
         self.state = self.apply("forward", vlm_forward, self.state, keys, values)
         qk, qv = _coded(self.codecs[0].quantize(keys)), _coded(self.codecs[1].quantize(values))
         self.rows = [
@@ -195,4 +171,132 @@ class TurboQuantMachine(RowMachine):
             assert got is None or tuple(np.array(got).tolist()) == want
 
 
+class TurboQuantMachine(TurboQuantRows):
+    @initialize(
+        data=st.data(),
+        heads=st.integers(1, 2),
+        dims=st.tuples(st.sampled_from([8, 12, 16]), st.sampled_from([8, 12, 16])),
+        side_bits=st.tuples(st.sampled_from([2, 3, 2.5, 3.5]), st.sampled_from([2, 3, 2.5])),
+        seed=st.integers(0, 3),
+        padded=st.booleans(),
+    )
+    def start(
+        self,
+        data: Any,
+        heads: int,
+        dims: tuple[int, int],
+        side_bits: tuple[float, float],
+        seed: int,
+        padded: bool,
+    ) -> None:
+        chosen = []
+        for dim, b in zip(dims, side_bits, strict=True):
+            if not is_split(b):
+                chosen.append(None)
+                continue
+            order = data.draw(st.permutations(range(dim)), label="channel order")
+            chosen.append(tuple(sorted(order[: split_sizes(dim, b)[1]])))
+        self.dims = dims
+        self.config = {
+            "heads": heads,
+            "key_dim": dims[0],
+            "value_dim": dims[1],
+            "key_bits": side_bits[0],
+            "value_bits": side_bits[1],
+            "key_channels": chosen[0],
+            "value_channels": chosen[1],
+            "seed": seed,
+            "empty": False,  # a split side's channels come with its first tokens
+        }
+        self.codecs = (
+            reference_codec(dims[0], side_bits[0], seed, chosen[0]),
+            reference_codec(dims[1], side_bits[1], seed + 1, chosen[1]),
+        )
+        event(f"turboquant bits {side_bits}")
+        self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
+        state = data.draw(turboquant_kv_states(padded=padded, **self.config), label="initial")
+        self.begin(data, state)
+
+
 TestTurboQuantMachine = TurboQuantMachine.TestCase
+
+
+def _unpadded(machine: Any) -> bool:
+    pads = machine.state.left_padding
+    return pads is None or not any(np.array(pads).tolist())
+
+
+class HybridMachine(TurboQuantRows):
+    @initialize(
+        data=st.data(),
+        schemes=st.sampled_from([("turboquant", "uniform"), ("uniform", "turboquant")]),
+        tq_bits=st.sampled_from([2, 3, 2.5, 3.5]),
+        uniform_bits=st.sampled_from([2, 4, 8]),
+        seed=st.integers(0, 3),
+        padded=st.booleans(),
+    )
+    def start_hybrid(
+        self,
+        data: Any,
+        schemes: tuple[str, str],
+        tq_bits: float,
+        uniform_bits: int,
+        seed: int,
+        padded: bool,
+    ) -> None:
+        self.dims = (32, 64)  # mx.quantize's groups (32) divide both
+        side_bits = [tq_bits if s == "turboquant" else uniform_bits for s in schemes]
+        chosen: list[tuple[int, ...] | None] = [None, None]
+        codecs: list[Any] = []
+        for i, (dim, scheme) in enumerate(zip(self.dims, schemes, strict=True)):
+            if scheme == "uniform":
+                codecs.append(UniformCodec(32, uniform_bits))
+                continue
+            if is_split(tq_bits):
+                order = data.draw(st.permutations(range(dim)), label="channel order")
+                chosen[i] = tuple(sorted(order[: split_sizes(dim, tq_bits)[1]]))
+            codecs.append(reference_codec(dim, tq_bits, seed + i, chosen[i]))
+        self.codecs = tuple(codecs)
+        self.config = {
+            "heads": 1,
+            "key_dim": self.dims[0],
+            "value_dim": self.dims[1],
+            "key_bits": side_bits[0],
+            "value_bits": side_bits[1],
+            "key_channels": chosen[0],
+            "value_channels": chosen[1],
+            "form": "hybrid",
+            "key_scheme": schemes[0],
+            "value_scheme": schemes[1],
+            "group_size": 32,
+            "seed": seed,
+            "empty": False,
+        }
+        event(f"hybrid {schemes} tq bits {tq_bits}")
+        self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
+        state = data.draw(turboquant_kv_states(padded=padded, **self.config), label="initial")
+        self.begin(data, state)
+
+    def noise(self, shape: tuple[int, ...]) -> mx.array:
+        # float16, as a model's keys: the uniform side's scales take the keys' dtype
+        return mx.array(self.rng.standard_normal(shape).astype(np.float16))
+
+    @precondition(_unpadded)
+    @rule(k=st.integers(1, 3))
+    def forward(self, k: int) -> None:
+        super().forward(k)
+
+    @precondition(_unpadded)
+    @rule(k=st.integers(1, 3), data=st.data())
+    def speculate(self, k: int, data: Any) -> None:
+        super().speculate(k, data)
+
+    @rule()
+    def padded_rows_are_refused(self) -> None:
+        if _unpadded(self):
+            return
+        with pytest.raises(ks.StateError, match="no left padding"):
+            to_mlx_vlm(self.state)
+
+
+TestHybridMachine = HybridMachine.TestCase
