@@ -106,14 +106,17 @@ def array_problems(name: str, a: Any, ndim: int | None = None, floating: bool = 
 
 
 def kv_pair_problems(keys: Any, values: Any) -> list[str]:
-    """Keys and values: both None, or (B, H, T, D) floating arrays agreeing in B, H and T."""
+    """Keys and values: both None, or (B, H, T, D) floating arrays agreeing in B, H and T.
+    Bool pairs pass too: mlx-vlm's glm5_next keeps each key's validity in a KVCache."""
     if keys is None and values is None:
         return []
     if keys is None or values is None:
         return [
             f"keys and values must both be arrays or both None; keys is {_kind(keys)}, values is {_kind(values)}"
         ]
-    found = array_problems("keys", keys, 4, True) + array_problems("values", values, 4, True)
+    masks = all(isinstance(a, mx.array) and a.dtype == mx.bool_ for a in (keys, values))
+    found = array_problems("keys", keys, 4, not masks)
+    found += array_problems("values", values, 4, not masks)
     if not found and tuple(keys.shape[:3]) != tuple(values.shape[:3]):
         found.append(
             f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree in batch, "
