@@ -181,7 +181,7 @@ def to_turboquant_cache(state: TurboQuantKV) -> Any:
     bits = {"bits": state.key_bits, "key_bits": state.key_bits, "value_bits": state.value_bits}
     if state.left_padding is None:
         cache = tq.TurboQuantKVCache(seed=state.seed, **bits)
-        if state.key_norms is not None:
+        if state.key_indices is not None:
             cache.key_codec, cache.value_codec = codecs(state)
             cache.keys, cache.values = side_state(state, "key"), side_state(state, "value")
             cache.offset = state.length
@@ -191,7 +191,7 @@ def to_turboquant_cache(state: TurboQuantKV) -> Any:
     batch.left_padding = padding
     batch.offset = state.length - padding
     batch._idx = state.length
-    if state.key_norms is not None:
+    if state.key_indices is not None:
         batch.key_codec, batch.value_codec = codecs(state)
         batch.keys, batch.values = side_state(state, "key"), side_state(state, "value")
     batch._refresh_fused_attention_eligibility()

@@ -171,13 +171,13 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         parts = [_row_slices(a, batch, pads, state.length) for a in (*state.keys, *state.values)]
         return [("quantized", state.length - pads[r], *(p[r] for p in parts)) for r in range(batch)]
     if isinstance(state, ks.TurboQuantKV):
-        if state.key_norms is None or state.length == 0:
+        if state.key_indices is None or state.length == 0:
             return [("turboquant", 0)] * batch
         pads = _pads(state.left_padding, batch)
-        fields = [  # a split side's high parts too (None on an integer side)
+        fields = [  # a split side's high parts, a uniform side's scales / biases (else None)
             getattr(state, f"{side}_{part}")
             for side in ("key", "value")
-            for part in ("norms", "indices", "high_norms", "high_indices")
+            for part in ("norms", "indices", "high_norms", "high_indices", "scales", "biases")
         ]
         parts = [_row_slices(a, batch, pads, state.length) for a in fields if a is not None]
         return [
