@@ -121,6 +121,11 @@ def _commit_ragged(state: DenseKV, counts: tuple[int, ...]) -> DenseKV:
     (keys, values), left_padding, length = commit_ragged(
         [state.keys, state.values], state.left_padding, state.length, state.appended, counts
     )
+    if keys.dtype == mx.bool_:
+        # A bool pair is a validity mask the model reads at padding positions too (glm5_next
+        # masks keys with it): the padding the commit added must read False, as merge's does.
+        valid = (mx.arange(keys.shape[2])[None, :] >= left_padding[:, None])[:, None, :, None]
+        keys, values = keys & valid, values & valid
     return replace(
         state, keys=keys, values=values, left_padding=left_padding, length=length, appended=0
     )

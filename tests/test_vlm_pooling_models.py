@@ -17,7 +17,7 @@ from mlx_vlm.models import deepseek_v4, glm5_next
 from mlx_vlm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters.vlm import wrap
+from kvstate.adapters.vlm import to_mlx_vlm, wrap
 from tests.vlm_helpers import _scaled, vlm_generate
 
 VOCAB = 64
@@ -172,3 +172,53 @@ def test_speculative_decode_equals_greedy_and_refuses_only_pooled_rollbacks(mode
         y = preds[ok]
     assert out[:n] == ref[:n]
     assert outcomes["partial"] >= 2 and outcomes["refused"] >= 1, outcomes
+
+
+def test_merged_rows_of_different_lengths_decode_like_each_row_and_like_mlx_vlm_merge(model):
+    """kvstate.merge of two conversations (left padding, BatchPoolingCache) then steps and a
+    commit: each row's logits are its own conversation's, and the merged state's logits are
+    those of mlx-vlm's own merge of the same caches. (glm5_next reads its bool validity
+    KVCache at padding positions: the padding a ragged commit adds must read False.)"""
+    check_merged_rows(model, ragged=False)
+    check_merged_rows(model, ragged=True)
+
+
+def check_merged_rows(model: Any, ragged: bool) -> None:
+    m = wrap(model)
+    _, a = m(mx.array([PROMPT[:7]]), m.init_state())
+    _, b = m(mx.array([PROMPT[2:7]]), m.init_state())
+    merged = ks.merge([a, b])
+    columns = zip(to_mlx_vlm(a), to_mlx_vlm(a), to_mlx_vlm(b), strict=True)
+    theirs = [type(c).merge([x, y]) for c, x, y in columns]
+    step = mx.array([[11], [12]])
+    np.testing.assert_allclose(
+        np.array(m(step, merged)[0]),
+        np.array(model.language_model(step, cache=theirs).logits),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    draft = mx.array([[4, 50, 9], [8, 3, 30]])
+    logits, verified, checkpoints = m(draft, merged, capture=True)
+    options = ([1, 3], [2, 1], [3, 2], [1, 2], [2, 3]) if ragged else ([2, 2], [1, 1], [3, 3])
+    counts = next(c for c in options if _commits(verified, c, checkpoints))
+    merged = ks.commit_prefix(verified, counts, checkpoints)
+    rows = []
+    for row, (state, count) in enumerate(zip((a, b), counts, strict=True)):
+        row_logits, state = m(draft[row : row + 1, :count], state)
+        np.testing.assert_allclose(
+            np.array(logits[row, :count]), np.array(row_logits[0]), rtol=1e-4, atol=1e-4
+        )
+        rows.append(state)
+    for t in ([[5], [6]], [[7], [1]]):
+        got, merged = m(mx.array(t), merged)
+        for row in range(2):
+            want, rows[row] = m(mx.array([t[row]]), rows[row])
+            np.testing.assert_allclose(np.array(got[row]), np.array(want[0]), rtol=1e-4, atol=1e-4)
+
+
+def _commits(state: Any, counts: list[int], checkpoints: Any) -> bool:
+    try:
+        ks.commit_prefix(state, counts, checkpoints)
+    except ks.CommitError:
+        return False
+    return True
