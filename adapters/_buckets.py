@@ -54,6 +54,18 @@ def _padded(mask: Any, width: int) -> mx.array:
     return mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, extra)], constant_values=False)
 
 
+def _for_attention(mask: mx.array, cache: Any, return_array: bool) -> mx.array:
+    """The bucketed mask as the model's attention will use it. A caller that asked for an
+    array may combine it (the tree forward ANDs it): it gets booleans. Otherwise it goes
+    straight to `scaled_dot_product_attention`, which on CUDA turns a boolean mask into an
+    additive one in every layer (one more kernel per layer and forward): made additive here
+    once, in the keys' dtype."""
+    if return_array or cache.keys is None:
+        return mask
+    dtype = cache.keys.dtype
+    return mx.where(mask, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+
+
 def _fetch(cache: Any, width: int) -> tuple[mx.array, mx.array]:
     """The buffer's first `width` positions, growing it (zeros) if it is shorter."""
     short = width - cache.keys.shape[2]
@@ -74,7 +86,8 @@ class _BucketedKV(KVCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         end = self.offset + N
         self._kvstate_bucket.width = _width(end)
-        return _padded(create_causal_mask(N, self.offset, window_size=window_size), _width(end))
+        mask = create_causal_mask(N, self.offset, window_size=window_size)
+        return _for_attention(_padded(mask, _width(end)), self, return_array)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:  # what update_and_fetch returns
         width = self._kvstate_bucket.width
@@ -88,7 +101,7 @@ class _BucketedBatchKV(BatchKVCache):
         end = self._idx + N
         self._kvstate_bucket.width = _width(end)
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
-        return _padded(mask, _width(end))
+        return _for_attention(_padded(mask, _width(end)), self, return_array)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         width = self._kvstate_bucket.width

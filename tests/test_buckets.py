@@ -47,13 +47,18 @@ def test_buckets_cover_the_keys_and_the_classes_come_back(monkeypatch):
     original = type(attention).__call__
 
     def spy(self, x, mask=None, cache=None):
-        seen.append((None if isinstance(mask, str) or mask is None else mask.shape, type(cache)))
+        array = not (isinstance(mask, str) or mask is None)
+        seen.append((mask.shape if array else None, type(cache), mask.dtype if array else None))
         return original(self, x, mask, cache)
 
     monkeypatch.setattr(type(attention), "__call__", spy)
     m = wrap(model)
     _, state = m(mx.array([PROMPTS[0]]), m.init_state())
     assert seen[-1][0] == (10, 256)  # 10 queries over a 256-key bucket
+    # Keys exist now: the mask is additive, in their dtype (CUDA would convert a boolean one
+    # in every layer).
+    m(mx.array([[1, 2, 3]]), state)
+    assert seen[-1][0] == (3, 256) and seen[-1][2] == mx.float32
     m(mx.array([[1]]), state)  # one token: exact length, mlx-lm's own mask
     assert seen[-1][0] is None
     assert all(type(c) in (KVCache, BatchKVCache) for c in make_prompt_cache(model))
