@@ -236,56 +236,71 @@ def decode_section(name: str, model: nn.Module, context: int, n: int) -> None:
         f"{block / (statistics.median(times.values())):.1f} tok/s (last block)")  # fmt: skip
 
 
+def spec_run(
+    m: Any, prompt: mx.array, p: float, k: int, n: int, seed: int
+) -> tuple[float, float, list[Any]]:
+    """One speculative decode of ~n tokens (after two untimed warm-up rounds): tokens/s,
+    tokens per round, and each round's (build, launch, wait, commit) seconds."""
+    rng = np.random.default_rng(seed)
+    logits, state = m(prompt, m.init_state())
+    y = int(logits[0, -1].argmax().item())
+    produced = rounds = 0
+    phases: list[tuple[float, float, float, float]] = []
+    start = time.perf_counter()
+    while produced < n + 2 * k:
+        if rounds == 2:  # two warm-up rounds (kernels for this K) are not timed
+            start, produced, phases = time.perf_counter(), 0, []
+        draft = rng.integers(0, m.vocab_size, k).tolist()
+        t0 = time.perf_counter()
+        # Ids from the host are checked there (no guard kernels, unlike an mx.array's).
+        logits, verified, checkpoints = m([[y, *draft]], state, capture=True)
+        accepted = 0
+        while accepted < k and rng.random() < p:
+            accepted += 1
+        t1 = time.perf_counter()
+        mx.async_eval(logits)
+        t2 = time.perf_counter()
+        y = int(logits[0, accepted].argmax().item())  # a decoder reads its logits
+        t3 = time.perf_counter()
+        state = ks.commit_prefix(verified, accepted + 1, checkpoints)
+        phases.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
+        produced += accepted + 1
+        rounds += 1
+    mx.eval(ks.tree_flatten(state)[0])
+    return produced / (time.perf_counter() - start), produced / (rounds - 2), phases
+
+
 def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 0) -> None:
     """Speculative decoding at a controlled acceptance rate: each round verifies the last
     token and K drafts with capture, accepts each draft with probability p until the first
     rejection (the law of an oracle drafter that is right with probability p; drafting costs
     nothing here), keeps the verify's own tokens and commits. A random-init bf16 model's
     greedy tokens change with the forward's shape, so an oracle of precomputed tokens would
-    be rejected by rounding, not by design: the acceptance is drawn, the work is real."""
+    be rejected by rounding, not by design: the acceptance is drawn, the work is real.
+    Each row alternates 3 plain greedy runs (raw mlx-lm, pipelined) with 3 speculative ones
+    and gives the median of the 3 adjacent ratios: the host's speed drifts between runs."""
     m = wrap(model)
     prompt = random_ids(model, (1, context), 2)
-    plain_rate = n / decode_block(RawDecoder(model, prompt), n)
-    say(f"\n## spec: {name}, context {context}, {n} tokens; plain greedy (raw mlx-lm, "
-        f"pipelined) {plain_rate:.1f} tok/s\n")  # fmt: skip
+    say(f"\n## spec: {name}, context {context}, {n} tokens a run\n")
     say(
-        "| acceptance p | K | tokens/s | / plain greedy | tokens per round | ms per round: "
-        "build verify / launch it (async_eval) / wait for its logits / commit |"
+        "| acceptance p | K | tokens/s | / plain greedy (3 runs) | tokens per round | ms per "
+        "round: build verify / launch it (async_eval) / wait for its logits / commit |"
     )
     say("|---|---|---|---|---|---|")
     for p in (0.5, 0.8, 1.0):
         for k in (2, 4, 8):
-            rng = np.random.default_rng(seed)
-            logits, state = m(prompt, m.init_state())
-            y = int(logits[0, -1].argmax().item())
-            produced = rounds = 0
-            phases: list[tuple[float, float, float]] = []
-            start = time.perf_counter()
-            while produced < n + 2 * k:
-                if rounds == 2:  # two warm-up rounds (kernels for this K) are not timed
-                    start, produced, phases = time.perf_counter(), 0, []
-                draft = rng.integers(0, m.vocab_size, k).tolist()
-                t0 = time.perf_counter()
-                logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
-                accepted = 0
-                while accepted < k and rng.random() < p:
-                    accepted += 1
-                t1 = time.perf_counter()
-                mx.async_eval(logits)
-                t2 = time.perf_counter()
-                y = int(logits[0, accepted].argmax().item())  # a decoder reads its logits
-                t3 = time.perf_counter()
-                state = ks.commit_prefix(verified, accepted + 1, checkpoints)
-                phases.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
-                produced += accepted + 1
-                rounds += 1
-            mx.eval(ks.tree_flatten(state)[0])
-            rate = produced / (time.perf_counter() - start)
+            ratios, rates, phases = [], [], []
+            for _ in range(3):
+                plain = n / decode_block(RawDecoder(model, prompt), n)
+                rate, per_round, run_phases = spec_run(m, prompt, p, k, n, seed)
+                ratios.append(rate / plain)
+                rates.append(rate)
+                phases += run_phases
             split = " / ".join(
                 f"{statistics.median(x) * 1e3:.2f}" for x in zip(*phases, strict=True)
             )
-            say(f"| {p} | {k} | {rate:.1f} | {rate / plain_rate:.2f} "
-                f"| {produced / (rounds - 2):.2f} | {split} |")  # fmt: skip
+            say(f"| {p} | {k} | {statistics.median(rates):.1f} | {statistics.median(ratios):.2f} "
+                f"({', '.join(f'{r:.2f}' for r in ratios)}) | {per_round:.2f} | {split} |")  # fmt: skip
 
 
 def anatomy_section(name: str, model: nn.Module, context: int, rounds: int) -> None:
