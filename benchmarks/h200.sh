@@ -4,7 +4,8 @@
 # brings MLX CUDA onto the device (.whl/a, .whl/b); `.whl/t` holds pytest / hypothesis wheels
 # and `.whl/src.tar` a `git archive HEAD` of this repository.
 #
-#   bash benchmarks/h200.sh tests | verify | drafters     (then: tests drafters, in one call)
+#   bash benchmarks/h200.sh tests quantized decode     (one call)
+#   bash benchmarks/h200.sh spec drafters              (the next)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,21 +25,24 @@ for part in "$@"; do
 case "$part" in
   tests)
     # float32 matmuls in full precision: the tests compare forwards of different shapes
-    step 240 gpu-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
-      tests/test_tree_verify.py tests/test_hybrid_models.py tests/test_buckets.py \
-      tests/test_model_drafter.py property_tests/test_gated_delta_steps.py \
-      property_tests/test_ssm_steps.py
+    step 170 gpu-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kept_caches.py tests/test_buckets.py tests/test_quantized_options.py \
+      tests/test_quantized_speculative.py tests/test_model_drafter.py tests/test_tree_verify.py \
+      tests/test_hybrid_models.py property_tests/test_gated_delta_steps.py
     ;;
-  verify)
-    step 330 verify python3 benchmarks/verify.py --only decode spec
+  quantized)
+    step 70 qattn-probe python3 benchmarks/cuda_qattn_probe.py
+    step 90 quantized-decode python3 benchmarks/quantized_quality.py --parts decode
+    ;;
+  decode)
+    step 150 decode python3 benchmarks/verify.py --only decode
+    ;;
+  spec)
+    step 240 spec python3 benchmarks/verify.py --only spec --models llama qwen3_next
     ;;
   drafters)
     step 150 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3
-    step 90 tree-verify python3 benchmarks/tree_verify.py --reps 9 --hidden 2048 --context 1024
-    step 60 mtp python3 benchmarks/mtp.py --reps 2
-    step 60 qmm-support python3 benchmarks/cuda_qmm_support.py
-    step 90 quantized-decode python3 benchmarks/quantized_quality.py --parts decode
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [verify] [drafters]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [spec] [drafters]"; exit 2 ;;
 esac
 done
