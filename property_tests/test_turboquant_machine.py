@@ -291,10 +291,9 @@ class HybridMachine(TurboQuantRows):
     def speculate(self, k: int, data: Any) -> None:
         super().speculate(k, data)
 
+    @precondition(lambda self: not _unpadded(self))
     @rule()
     def padded_rows_are_refused(self) -> None:
-        if _unpadded(self):
-            return
         with pytest.raises(ks.StateError, match="no left padding"):
             to_mlx_vlm(self.state)
 
