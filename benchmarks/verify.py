@@ -29,7 +29,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -270,7 +270,15 @@ def spec_run(
     return produced / (time.perf_counter() - start), produced / (rounds - 2), phases
 
 
-def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 0) -> None:
+def spec_section(
+    name: str,
+    model: nn.Module,
+    context: int,
+    n: int,
+    ps: Sequence[float] = (0.5, 0.8, 1.0),
+    ks_: Sequence[int] = (2, 4, 8),
+    seed: int = 0,
+) -> None:
     """Speculative decoding at a controlled acceptance rate: each round verifies the last
     token and K drafts with capture, accepts each draft with probability p until the first
     rejection (the law of an oracle drafter that is right with probability p; drafting costs
@@ -287,8 +295,8 @@ def spec_section(name: str, model: nn.Module, context: int, n: int, seed: int = 
         "round: build verify / launch it (async_eval) / wait for its logits / commit |"
     )
     say("|---|---|---|---|---|---|")
-    for p in (0.5, 0.8, 1.0):
-        for k in (2, 4, 8):
+    for p in ps:
+        for k in ks_:
             ratios, rates, phases = [], [], []
             for _ in range(3):
                 plain = n / decode_block(RawDecoder(model, prompt), n)
@@ -362,6 +370,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=sorted(SECTIONS), choices=sorted(SECTIONS))
     parser.add_argument("--models", nargs="*", default=list(BIG), choices=list(BIG))
     parser.add_argument("--context", type=int, default=None)
+    parser.add_argument("--ps", nargs="*", type=float, default=[0.5, 0.8, 1.0], help="spec rows")
+    parser.add_argument("--ks", nargs="*", type=int, default=[2, 4, 8], help="spec rows")
     args = parser.parse_args()
     context = args.context or (64 if args.small else 1024)
     reps = 3 if args.small else 10
@@ -378,7 +388,7 @@ def main() -> None:
         if "anatomy" in args.only:
             anatomy_section(name, model, context, 10 if args.small else 40)
         if "spec" in args.only:
-            spec_section(name, model, context, 16 if args.small else 200)
+            spec_section(name, model, context, 16 if args.small else 200, args.ps, args.ks)
         del model
         sys.stdout.flush()
 
