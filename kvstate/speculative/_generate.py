@@ -14,11 +14,11 @@ from typing import Any, NamedTuple, cast
 import mlx.core as mx
 
 from .._errors import StateError, TokenError
-from .._transforms import commit_prefix, filter, merge
+from .._transforms import capabilities, commit_prefix, filter, merge
 from .._tree import host_ints
 from ..distributed import agree, group_of
 from ._drafter import Drafter
-from ._sampling import Sampler, accept, accept_greedy
+from ._sampling import Sampler, accept, greedy_picks
 
 
 class Token(NamedTuple):
@@ -69,8 +69,10 @@ def generate(
     if drafter is not None:
         seen = {"hidden": [s[2] for s in starts]} if extra else {}
         drafter.start([list(p) for p in prompts], **seen)
-    key, sub = mx.random.split(key)
-    last = host_ints(sampler.sample(sampler.probs(logits), sub))
+    # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
+    # back needs the verify's checkpoints, so a verify of attention-only targets skips them.
+    capture = capabilities(state).needs_checkpoints
+    key, last = _sample(sampler, logits, key)
     if group is not None:
         agree(last, group, what="the first tokens")
     counts = [0] * len(rows)
@@ -98,28 +100,43 @@ def generate(
         if proposal is None or max(proposal.counts) == 0:
             fed = mx.array(last, mx.int32)[:, None]
             logits, state, *hidden = target(fed, state, **extra)
-            key, sub = mx.random.split(key)
-            nxt = host_ints(sampler.sample(sampler.probs(logits[:, -1]), sub))
+            key, nxt = _sample(sampler, logits[:, -1], key)
             accepted = [0] * len(rows)
             drafts: list[list[int]] = [[] for _ in rows]
         else:
             span = max(proposal.counts)
-            drafted = proposal.tokens[:, :span]
-            fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafted.astype(mx.int32)], 1)
-            logits, verified, checkpoints, *hidden = target(fed, state, capture=True, **extra)
+            drafted = proposal.tokens
+            if drafted.shape[1] != span:
+                drafted = drafted[:, :span]
+            if drafted.dtype != mx.int32:
+                drafted = drafted.astype(mx.int32)
+            fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafted], 1)
+            if capture:
+                logits, verified, checkpoints, *hidden = target(fed, state, capture=True, **extra)
+            else:
+                logits, verified, *hidden = target(fed, state, **extra)
+                checkpoints = None
             # Hold nothing of the pre-verify state while the verify runs: MLX then writes the
             # KV buffers in place instead of copying them (the commit needs only `verified`).
             del state
             if sampler.greedy:
-                verdict = accept_greedy(logits, drafted, proposal.counts)
+                # One read: the accepted counts and the target's picks, which are the
+                # accepted drafts followed by the next token.
+                picked = greedy_picks(logits, drafted, proposal.counts)
+                accepted = [p[0] for p in picked]
+                nxt = [p[1 + p[0]] for p in picked]
+                drafts = [p[1:] for p in picked]
             else:
                 probs = None if proposal.probs is None else proposal.probs[:, :span]
                 key, sub = mx.random.split(key)
                 target_probs = sampler.probs(logits)
                 verdict = accept(target_probs, drafted, probs, proposal.counts, sampler, sub)
-            accepted, nxt = verdict.accepted, verdict.next_tokens
+                accepted, nxt = verdict.accepted, verdict.next_tokens
+                drafts = cast(list[list[int]], drafted.tolist())  # evaluated: no wait
             state = commit_prefix(verified, [a + 1 for a in accepted], checkpoints)
-            drafts = cast(list[list[int]], drafted.tolist())
+            # Nor the verified state: a plain verify's cache objects stay with it (the wrapped
+            # model keeps them for a forward from it) and would share the committed buffers.
+            del verified, checkpoints
             if adaptive:
                 if all(a == span for a in accepted):
                     width = min(k, width + 1)
@@ -141,6 +158,15 @@ def generate(
         done = _finish(round_tokens, counts, max_tokens, eos, rows)
         last = nxt
         yield round_tokens
+
+
+def _sample(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, list[int]]:
+    """One token per row of `logits` (B, vocab), read to the host (greedy: the argmax, with
+    no distribution built and no key used)."""
+    if sampler.greedy:
+        return key, host_ints(logits.argmax(-1))
+    key, sub = mx.random.split(key)
+    return key, host_ints(sampler.sample(sampler.probs(logits), sub))
 
 
 def _logprobs(logits: mx.array) -> mx.array:

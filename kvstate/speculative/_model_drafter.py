@@ -97,7 +97,9 @@ class ModelDrafter:
         for _ in range(k):
             logits, state = self.draft(y, state)
             if sampler.greedy:  # sampler.sample(sampler.probs(l)) is l.argmax(-1), less work
-                y = logits[:, -1].argmax(-1).astype(mx.int32)[:, None]
+                if logits.shape[1] != 1:  # the first step also fed the pending draft
+                    logits = logits[:, -1:]
+                y = logits.argmax(-1).astype(mx.int32)  # (B, 1)
             else:
                 q = sampler.probs(logits[:, -1])
                 self.key, key = mx.random.split(self.key)

@@ -127,13 +127,21 @@ def accept_greedy(scores: mx.array, drafts: mx.array, counts: list[int]) -> Verd
     """Greedy acceptance straight from `scores` (B, w+1, V): logits, or any distribution
     whose argmax is the target's pick. A draft is accepted while it is the target's argmax.
     One host sync for the whole batch."""
+    rows = greedy_picks(scores, drafts, counts)
+    return Verdict([r[0] for r in rows], [r[1 + r[0]] for r in rows])
+
+
+def greedy_picks(scores: mx.array, drafts: mx.array, counts: list[int]) -> list[list[int]]:
+    """Per row `[accepted, pick_0 .. pick_w]`: the drafts accepted (while each is the target's
+    argmax `pick`) and the target's picks after the last token and each draft, in one host
+    read. The row's emitted tokens are picks 0..accepted (the accepted drafts are picks)."""
     width = drafts.shape[1]
     picks = scores.argmax(-1).astype(mx.int32)  # (B, w+1)
-    valid = mx.arange(width)[None] < mx.array(counts)[:, None]
-    ok = (picks[:, :width] == drafts) & valid
-    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1).astype(mx.int32)
-    following = mx.take_along_axis(picks, accepted[:, None], axis=1)
-    return _verdict(mx.concatenate([accepted[:, None], following], axis=1))
+    ok = picks[:, :width] == drafts
+    if min(counts) < width:  # filler past a row's count is never accepted
+        ok = ok & (mx.arange(width)[None] < mx.array(counts)[:, None])
+    accepted = mx.cumprod(ok, axis=1).sum(1, keepdims=True)  # (B, 1) int32
+    return cast(list[list[int]], mx.concatenate([accepted, picks], axis=1).tolist())
 
 
 def _verdict(columns: mx.array) -> Verdict:
