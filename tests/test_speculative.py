@@ -277,3 +277,35 @@ def test_a_draft_model_keeps_step_with_a_ragged_batch(name):
         for t in tokens:
             out[t.row].append(t.token)
     assert out == truth
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_a_draft_model_round_reads_the_device_once(monkeypatch, name):
+    """mlx-lm's speculative_generate_step waits for the device once per round; so must the
+    generator: the draft chain, the verify and the acceptance stay lazy until one read of
+    the accepted counts and the target's picks (an unpipelined drafter evaluates nothing
+    before it). The tokens stay greedy's."""
+    model = tiny_model(name, scale=4.0)
+    truth = greedy(model, PROMPTS[0], 24)
+    reads = []
+    for method in ("tolist", "item"):
+        real = getattr(mx.array, method)
+        monkeypatch.setattr(
+            mx.array, method, lambda a, _r=real, _m=method: (reads.append(_m), _r(a))[1]
+        )
+    for function in ("eval", "async_eval"):
+        real = getattr(mx, function)
+        monkeypatch.setattr(
+            mx, function, lambda *a, _r=real, _f=function: (reads.append(_f), _r(*a))[1]
+        )
+    drafter = ModelDrafter(wrap(tiny_model(name, scale=3.8)), pipelined=False)
+    rounds = generate(wrap(model), PROMPTS[:1], drafter, k=3, max_tokens=24, adaptive=False)
+    out = [t.token for t in next(rounds)]
+    per_round = []
+    for tokens in rounds:
+        per_round.append(len(reads))
+        reads.clear()
+        out += [t.token for t in tokens]
+    assert out == truth
+    # per_round[0] also counts the prefill's reads
+    assert len(per_round) > 5 and all(n == 1 for n in per_round[1:]), per_round
