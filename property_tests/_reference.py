@@ -82,6 +82,24 @@ class Row:
         )
 
 
+def committed(rows: Sequence[Row], counts: Sequence[int], pending: int) -> list[Row]:
+    """Rows after each keeps its own count of the last `pending` tokens. A ragged commit may
+    reorder a row that kept fewer than the most (padded kinds move its oldest tokens into the
+    hole), so such a row compares as a multiset from then on."""
+    ragged = len(set(counts)) > 1
+    out = []
+    for r, c in zip(rows, counts, strict=True):
+        kept = r.take(r.length - pending + c)
+        out.append(Row(kept.keys, kept.values, kept.ordered and not (ragged and c < max(counts))))
+    return out
+
+
+def packed_tokens(arrays: Sequence[mx.array], b: int, lo: int, hi: int) -> np.ndarray:
+    """Row b's positions lo..hi of a quantized side's arrays (packed words, scales, norms...)
+    side by side as (H, T, X) int64, bit for bit."""
+    return np.concatenate([bits(a[b, :, lo:hi]).astype(np.int64) for a in arrays], axis=-1)
+
+
 def empty_row(heads: int, k_dim: int, v_dim: int, dtype: Any) -> Row:
     return Row(np.zeros((heads, 0, k_dim), dtype), np.zeros((heads, 0, v_dim), dtype))
 

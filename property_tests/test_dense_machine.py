@@ -21,10 +21,10 @@ from kvstate.testing import DTYPES, accepted_counts, dense_kv_states
 
 from ._machine import RowMachine
 from ._reference import (
-    Row,
     assert_rows_equal,
     bits,
     cache_forward,
+    committed,
     dense_rows,
     noise,
 )
@@ -71,14 +71,10 @@ class DenseMachine(RowMachine):
         accepted = data.draw(accepted_counts(self.state), label="accepted")
         counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
-        ragged = len(set(counts)) > 1
-        event(f"commit: {'ragged' if ragged else 'uniform'}, rejects {self.pending - min(counts)}")
-        rows = []
-        for r, c in zip(self.rows, counts, strict=True):
-            kept = r.take(r.length - self.pending + c)
-            moved = ragged and c < max(counts)  # a ragged commit may reorder this row
-            rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
-        self.rows, self.pending = rows, 0
+        event(
+            f"commit: {'ragged' if len(set(counts)) > 1 else 'uniform'}, rejects {self.pending - min(counts)}"
+        )
+        self.rows, self.pending = committed(self.rows, counts, self.pending), 0
 
     @rule(k=st.integers(1, 4), data=st.data())
     def speculate(self, k, data):

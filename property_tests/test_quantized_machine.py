@@ -26,12 +26,7 @@ from kvstate.quantization import Codec
 from kvstate.testing import DTYPES, QUANT_BITS, ROTATION_KINDS, accepted_counts, quantized_kv_states
 
 from ._machine import RowMachine
-from ._reference import Row, assert_rows_equal, bits, cache_forward, noise
-
-
-def _tokens(q: tuple[mx.array, ...], b: int, lo: int, hi: int) -> np.ndarray:
-    """Row b's positions lo..hi of a triple as (H, T, words + 2 * groups) int64."""
-    return np.concatenate([bits(a[b, :, lo:hi]).astype(np.int64) for a in q], axis=-1)
+from ._reference import Row, assert_rows_equal, cache_forward, committed, noise, packed_tokens
 
 
 def quantized_rows(state: ks.QuantizedKV) -> list[Row]:
@@ -44,8 +39,8 @@ def quantized_rows(state: ks.QuantizedKV) -> list[Row]:
     pads = [0] * batch if state.left_padding is None else np.array(state.left_padding).tolist()
     return [
         Row(
-            _tokens(state.keys, b, pads[b], state.length),
-            _tokens(state.values, b, pads[b], state.length),
+            packed_tokens(state.keys, b, pads[b], state.length),
+            packed_tokens(state.values, b, pads[b], state.length),
         )
         for b in range(batch)
     ]
@@ -115,7 +110,8 @@ class QuantizedMachine(RowMachine):
         self.state = self.apply("forward", cache_forward, self.state, keys, values)
         qk, qv = self.codecs[0].encode(keys), self.codecs[1].encode(values)
         self.rows = [
-            r.append(_tokens(qk, b, 0, k), _tokens(qv, b, 0, k)) for b, r in enumerate(self.rows)
+            r.append(packed_tokens(qk, b, 0, k), packed_tokens(qv, b, 0, k))
+            for b, r in enumerate(self.rows)
         ]
         self.pending = k
 
@@ -124,14 +120,10 @@ class QuantizedMachine(RowMachine):
         accepted = data.draw(accepted_counts(self.state), label="accepted")
         counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
-        ragged = len(set(counts)) > 1
-        event(f"quantized commit: {'ragged' if ragged else 'uniform'}, batch {self.batch}")
-        rows = []
-        for r, n in zip(self.rows, counts, strict=True):
-            kept = r.take(r.length - self.pending + n)
-            moved = ragged and n < max(counts)  # a ragged commit may reorder this row
-            rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
-        self.rows, self.pending = rows, 0
+        event(
+            f"quantized commit: {'ragged' if len(set(counts)) > 1 else 'uniform'}, batch {self.batch}"
+        )
+        self.rows, self.pending = committed(self.rows, counts, self.pending), 0
 
     @rule(k=st.integers(1, 4), data=st.data())
     def speculate(self, k: int, data: Any) -> None:

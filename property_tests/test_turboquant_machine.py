@@ -38,7 +38,7 @@ from kvstate.testing import accepted_counts, turboquant_kv_states
 from kvstate.turboquant import is_split, low_channels, split_sizes
 
 from ._machine import RowMachine
-from ._reference import Row, assert_rows_equal, bits
+from ._reference import Row, assert_rows_equal, committed, packed_tokens
 
 _PARTS = ("norms", "indices", "high_norms", "high_indices", "scales", "biases")
 
@@ -70,11 +70,6 @@ class UniformCodec:
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
 
-def _tokens(arrays: list[mx.array], b: int, lo: int, hi: int) -> np.ndarray:
-    """Row b's positions lo..hi of a side's arrays as (H, T, X) int64, bit for bit."""
-    return np.concatenate([bits(a[b, :, lo:hi]).astype(np.int64) for a in arrays], axis=-1)
-
-
 def side_arrays(state: ks.TurboQuantKV, side: str) -> list[mx.array]:
     found = [getattr(state, f"{side}_{part}") for part in _PARTS]
     return [a for a in found if a is not None]
@@ -89,7 +84,10 @@ def turboquant_rows(state: ks.TurboQuantKV) -> list[Row]:
     assert all(a.shape[2] >= state.length for a in keys + values), "buffer shorter than length"
     pads = [0] * batch if state.left_padding is None else np.array(state.left_padding).tolist()
     return [
-        Row(_tokens(keys, b, pads[b], state.length), _tokens(values, b, pads[b], state.length))
+        Row(
+            packed_tokens(keys, b, pads[b], state.length),
+            packed_tokens(values, b, pads[b], state.length),
+        )
         for b in range(batch)
     ]
 
@@ -124,7 +122,8 @@ class TurboQuantRows(RowMachine):
         self.state = self.apply("forward", vlm_forward, self.state, keys, values)
         qk, qv = _coded(self.codecs[0].quantize(keys)), _coded(self.codecs[1].quantize(values))
         self.rows = [
-            r.append(_tokens(qk, b, 0, k), _tokens(qv, b, 0, k)) for b, r in enumerate(self.rows)
+            r.append(packed_tokens(qk, b, 0, k), packed_tokens(qv, b, 0, k))
+            for b, r in enumerate(self.rows)
         ]
         self.pending = k
 
@@ -133,14 +132,8 @@ class TurboQuantRows(RowMachine):
         accepted = data.draw(accepted_counts(self.state), label="accepted")
         counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
-        ragged = len(set(counts)) > 1
-        event(f"turboquant commit: {'ragged' if ragged else 'uniform'}")
-        rows = []
-        for r, n in zip(self.rows, counts, strict=True):
-            kept = r.take(r.length - self.pending + n)
-            moved = ragged and n < max(counts)  # a ragged commit may reorder this row
-            rows.append(Row(kept.keys, kept.values, kept.ordered and not moved))
-        self.rows, self.pending = rows, 0
+        event(f"turboquant commit: {'ragged' if len(set(counts)) > 1 else 'uniform'}")
+        self.rows, self.pending = committed(self.rows, counts, self.pending), 0
 
     @rule(k=st.integers(1, 3), data=st.data())
     def speculate(self, k: int, data: Any) -> None:
