@@ -23,7 +23,7 @@ from mlx_vlm.models.cache import make_prompt_cache
 import kvstate as ks
 from kvstate.adapters._vlm_turboquant import codecs, side_state
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
-from tests.vlm_helpers import tiny_vlm
+from tests.vlm_helpers import greedy_side_by_side, tiny_vlm
 
 
 def normal(seed: int, shape: tuple[int, ...]) -> mx.array:
@@ -355,10 +355,5 @@ def test_a_wrapped_model_on_turboquant_states_decodes_like_mlx_vlms_caches(key_b
     state = ks.commit_prefix(state, 1)
     for cache in caches:
         cache.trim(2)
-    ours, theirs = [11], [11]
-    for _ in range(5):
-        logits, state = wrapped(mx.array([[ours[-1]]]), state)
-        ours.append(int(mx.argmax(logits[0, -1]).item()))
-        reference = lm(mx.array([[theirs[-1]]]), cache=caches).logits
-        theirs.append(int(mx.argmax(reference[0, -1]).item()))
+    ours, theirs = greedy_side_by_side(wrapped, state, lm, caches, 11, 5)
     assert ours == theirs and len(set(ours)) > 2  # the tokens vary: a real decode

@@ -28,7 +28,7 @@ from kvstate.adapters.tiny_models import CONFIGS
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 from kvstate.testing import assert_states_equal
 from tests.test_turboquant import filled, leaves, normal
-from tests.vlm_helpers import _scaled
+from tests.vlm_helpers import _scaled, greedy_side_by_side
 
 # (bits, group size, key scheme / bits, value scheme / bits), as mlx-vlm's generate takes them
 POLICIES = {
@@ -203,12 +203,7 @@ def test_a_wrapped_model_on_hybrid_states_decodes_like_mlx_vlms_caches(tmp_path)
         cache.trim(2)
     ks.save(tmp_path / "m.safetensors", state)
     state = ks.load(tmp_path / "m.safetensors")
-    ours, theirs = [11], [11]
-    for _ in range(5):
-        logits, state = wrapped(mx.array([[ours[-1]]]), state)
-        ours.append(int(mx.argmax(logits[0, -1]).item()))
-        reference = lm(mx.array([[theirs[-1]]]), cache=caches).logits
-        theirs.append(int(mx.argmax(reference[0, -1]).item()))
+    ours, theirs = greedy_side_by_side(wrapped, state, lm, caches, 11, 5)
     assert ours == theirs and len(set(ours)) > 2  # the tokens vary: a real decode
 
 

@@ -155,3 +155,17 @@ def tiny_qwen2_vl(*, seed: int = 0, scale: float = 4.0) -> nn.Module:
     config.text_config = qwen2_vl.TextConfig.from_dict(config.text_config)
     mx.random.seed(seed)
     return _scaled(qwen2_vl.Model(config), seed, scale)
+
+
+def greedy_side_by_side(
+    wrapped: Any, state: Any, lm: nn.Module, caches: list[Any], first: int, steps: int
+) -> tuple[list[int], list[int]]:
+    """Greedy tokens through `wrapped` from `state` and through mlx-vlm's language model `lm`
+    on its own `caches` (the oracle), both starting from token `first`."""
+    ours, theirs = [first], [first]
+    for _ in range(steps):
+        logits, state = wrapped(mx.array([[ours[-1]]]), state)
+        ours.append(int(mx.argmax(logits[0, -1]).item()))
+        reference = lm(mx.array([[theirs[-1]]]), cache=caches).logits
+        theirs.append(int(mx.argmax(reference[0, -1]).item()))
+    return ours, theirs
