@@ -11,7 +11,8 @@ group 64, one query: kvstate's quantized attention does it with
 - bit planes: the packed words read as a 1-bit matrix of bits * 128 columns (column
   bits * p + j is bit j of value p, MLX's packing order), one 1-bit quantized_matmul with
   the scales repeated and zero biases, the planes summed with weights 2^j, plus weights @ biases;
-- two streams: the same kernel on heads 0-3 and on heads 4-7 in two CPU streams (threads).
+- two streams: the same kernel on heads 0-3 and on heads 4-7 in two streams of the device
+  (on the CPU: two threads).
 
 Interleaved: each rep runs every path once, in a rotated order; medians and IQR over reps.
 
@@ -68,7 +69,7 @@ def bit_planes(weights: mx.array, q: tuple[mx.array, ...], bits: int) -> mx.arra
 
 
 def paths(weights: mx.array, q: tuple[mx.array, ...], bits: int) -> dict[str, Callable]:
-    second = mx.new_stream(mx.cpu)
+    second = mx.new_stream(mx.default_device())
     unpack = mx.compile(partial(unpacked, bits=bits))
     half = HEADS // 2
 
