@@ -6,18 +6,23 @@ genuinely smaller model that predicts them), so acceptance is partial and a draf
 costs what a target forward costs: what matters is kvstate / mlx-lm on identical work.
 Every run's tokens are checked equal to plain greedy decoding (both generators).
 
-Contenders are timed interleaved (one run of each per repetition, rotating order) and the
-kvstate / mlx-lm figure is the median of the per-repetition speed ratios, with its
+Each model is wrapped once, outside the timed runs (a wrapped model is a view a user makes
+once, as mlx-lm's model objects are made once); each run makes its own states, drafter and
+caches. Contenders are timed interleaved (one run of each per repetition, rotating order)
+and the kvstate / mlx-lm figure is the median of the per-repetition speed ratios, with its
 inter-quartile range: the machine is shared and drifts. Seeds vary the prompt and the
 draft's perturbation (so the acceptance pattern), sizes the model.
 
     .venv/bin/python benchmarks/speculative.py [--sizes tiny,small] [--seeds 0,1,2] [--reps 7]
+    .venv/bin/python benchmarks/speculative.py --per-round   # host work per round, no timing
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/speculative.py --sizes large   # on the H200
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +79,7 @@ def contenders(
     model: nn.Module, draft: nn.Module, prompt: list[int], k: int, n: int
 ) -> tuple[list[Contender], dict[str, Callable[[], tuple[list[int], int]]]]:
     """The four generators of one (models, prompt, k), each returning (tokens, drafted)."""
+    wrapped_model, wrapped_draft = wrap(model), wrap(draft)
 
     def plain() -> tuple[list[int], int]:
         return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)], 0
@@ -86,17 +92,57 @@ def contenders(
         return [t for t, _ in out], sum(d for _, d in out)
 
     def ours(drafter: Any) -> tuple[list[int], int]:
-        rounds = generate(wrap(model), [prompt], drafter, k=k, max_tokens=n, adaptive=False)
+        rounds = generate(wrapped_model, [prompt], drafter, k=k, max_tokens=n, adaptive=False)
         out = [t for r in rounds for t in r]
         return [t.token for t in out], sum(t.from_draft for t in out)
 
     runs = {
         "plain": plain,
         "mlx-lm": mlx_lm,
-        "kvstate": lambda: ours(ModelDrafter(wrap(draft))),
+        "kvstate": lambda: ours(ModelDrafter(wrapped_draft)),
         "kvstate n-gram": lambda: ours(NGramDrafter()),
     }
     return [Contender(name, lambda _, f=f: f()) for name, f in runs.items()], runs
+
+
+def per_round(runs: dict[str, Callable[[], tuple[list[int], int]]], label: str) -> None:
+    """Host work per verify round of mlx-lm's and kvstate's draft-model generators (one run of
+    each after a warm-up, prefill included): Python calls (cProfile), host reads of device
+    values (tolist / item) and explicit evaluations (eval / async_eval)."""
+    reads: list[str] = []
+    patched = [(mx.array, m) for m in ("tolist", "item")] + [
+        (mx, f) for f in ("eval", "async_eval")
+    ]
+    originals = [getattr(owner, name) for owner, name in patched]
+    for (owner, name), real in zip(patched, originals, strict=True):
+        setattr(owner, name, _counted(real, name, reads))
+    try:
+        for name in ("mlx-lm", "kvstate"):
+            runs[name]()
+            reads.clear()
+            profile = cProfile.Profile()
+            profile.enable()
+            tokens, drafted = runs[name]()
+            profile.disable()
+            # One non-draft token per round; kvstate's first token comes from its prefill.
+            rounds = len(tokens) - drafted - (name == "kvstate")
+            calls = pstats.Stats(profile).total_calls
+            kinds = {r: reads.count(r) for r in sorted(set(reads))}
+            say(
+                f"| {label} | {name} | {rounds} | {calls / rounds:.0f} | "
+                f"{', '.join(f'{r} {n / rounds:.2f}' for r, n in kinds.items())} |"
+            )
+    finally:
+        for (owner, name), real in zip(patched, originals, strict=True):
+            setattr(owner, name, real)
+
+
+def _counted(real: Callable[..., Any], name: str, log: list[str]) -> Callable[..., Any]:
+    def counting(*args: Any) -> Any:
+        log.append(name)
+        return real(*args)
+
+    return counting
 
 
 def main() -> None:
@@ -107,16 +153,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--large", action="store_true", help="same as --sizes large")
+    parser.add_argument(
+        "--per-round", action="store_true", help="host work per round instead of timing"
+    )
     args = parser.parse_args()
     sizes = ["large"] if args.large else args.sizes.split(",")
     n = args.tokens
     say(f"# speculative decoding, {n} tokens, {mx.default_device()}\n")
     say(environment(False))
-    say(
-        "\n| size | seed | k | contender | tok/s (median) | / plain | kvstate / mlx-lm "
-        "(paired median [IQR]) | drafts accepted |"
-    )
-    say("|---|---|---|---|---|---|---|---|")
+    if args.per_round:
+        say(
+            "\n| size | seed | k | generator | rounds | Python calls / round | host reads / round |"
+        )
+        say("|---|---|---|---|---|---|---|")
+    else:
+        say(
+            "\n| size | seed | k | contender | tok/s (median) | / plain | kvstate / mlx-lm "
+            "(paired median [IQR]) | drafts accepted |"
+        )
+        say("|---|---|---|---|---|---|---|---|")
     for size in sizes:
         # float32 everywhere: in bf16 a K-token forward rounds differently from K one-token
         # forwards, so even mlx-lm's own speculative output drifts from its greedy output
@@ -133,6 +188,9 @@ def main() -> None:
             prompt = [3 + i for i in range(37)] if seed == 0 else rng.choices(range(vocab), k=37)
             for k in (int(x) for x in args.ks.split(",")):
                 timed, runs = contenders(model, draft, prompt, k, n)
+                if args.per_round:
+                    per_round(runs, f"{size} | {seed} | {k}")
+                    continue
                 reference, _ = runs["plain"]()
                 accepted = {}
                 for name, run in runs.items():
