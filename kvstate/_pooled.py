@@ -296,11 +296,13 @@ def _(state: PooledKV, counts: tuple[int, ...], checkpoints: Any) -> PooledKV:
     buf_kv, buf_gate = state.buf_kv, state.buf_gate
     if "before" in sources:
         prev = state.previous
-        assert prev is not None and buf_kv is not None and buf_gate is not None
-        assert prev.buf_kv is not None and prev.buf_gate is not None
+        assert prev is not None and prev.buf_kv is not None and prev.buf_gate is not None
+        # (no buffer after: an extracted row whose window just closed; no row reads it)
+        after_kv = mx.zeros_like(prev.buf_kv) if buf_kv is None else buf_kv
+        after_gate = mx.zeros_like(prev.buf_gate) if buf_gate is None else buf_gate
         use_before = mx.array([s == "before" for s in sources])[:, None, None]
-        buf_kv = mx.where(use_before, prev.buf_kv, buf_kv)
-        buf_gate = mx.where(use_before, prev.buf_gate, buf_gate)
+        buf_kv = mx.where(use_before, prev.buf_kv, after_kv)
+        buf_gate = mx.where(use_before, prev.buf_gate, after_gate)
     width = max((pool for _, pool, _ in rows), default=0)
     pooled = state.pooled
     if width == 0:

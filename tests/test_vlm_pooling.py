@@ -313,3 +313,30 @@ def test_commit_after_a_padded_prompt_keeps_what_mlx_vlm_keeps(keep):
     committed = to_mlx_vlm(ks.check(ks.commit_prefix(verified, keep)))
     assert_same_view(committed, oracle)
     assert committed.left_padding == oracle.left_padding
+
+
+@pytest.mark.parametrize("form", ["single", "batched"])
+def test_commit_after_extract_is_extract_after_commit(form):
+    """A row extracted from a verified state keeps its own record of the state before the
+    verify: committing it gives (what the row means) that row of the committed batch, for
+    every count kvstate can honour (rows differ in content, and in the batched form in
+    remainders)."""
+    before = single([2], batch=3) if form == "single" else batched()
+    state_before = from_mlx_vlm(before)
+    n = 3
+    verified = record_forward(
+        from_mlx_vlm(forward(to_mlx_vlm(state_before), n, 4, ks.batch_size(state_before))),
+        state_before,
+        n,
+    )
+    checked = 0
+    for keep in range(n + 1):
+        try:
+            whole = ks.commit_prefix(verified, keep)
+        except ks.CommitError:
+            continue
+        for row in range(1, ks.batch_size(verified)):
+            alone = ks.commit_prefix(ks.extract(verified, row), keep)
+            assert_same_view(to_mlx_vlm(alone), to_mlx_vlm(ks.extract(whole, row)))
+            checked += 1
+    assert checked >= 2
