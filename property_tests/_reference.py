@@ -234,23 +234,28 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         return _rotating_meaning(state, batch, history)
     if isinstance(state, ks.PooledKV):
         return _pooled_meaning(state, batch, history)
-    if isinstance(state, ks.BufferedWindowKV):
-        # What the next query (at offset) can see: the last max_size - 1 positions held.
-        n = state.offset - state.start_position
-        seen = min(n, state.max_size - 1)
-        keys = _row_slices(state.keys if seen else None, batch, [n - seen] * batch, n)
-        values = _row_slices(state.values if seen else None, batch, [n - seen] * batch, n)
-        return [("buffered", state.offset, seen, keys[r], values[r]) for r in range(batch)]
-    if isinstance(state, ks.StaticPrefixKV):
-        n = state.offset
-        keys = _row_slices(state.keys if n else None, batch, [0] * batch, n)
-        values = _row_slices(state.values if n else None, batch, [0] * batch, n)
-        return [("static", n, state.read_only, keys[r], values[r]) for r in range(batch)]
+    if isinstance(state, (ks.BufferedWindowKV, ks.StaticPrefixKV)):
+        return _window_meaning(state, batch)
     if isinstance(state, (ks.ListState, ks.ModelState)):
         parts = state.states if isinstance(state, ks.ListState) else state.layers
         per_part = [meaning(p, history=history) for p in parts]
         return [tuple(p[r] for p in per_part) for r in range(batch)]
     raise NotImplementedError(type(state).__name__)
+
+
+def _window_meaning(state: ks.BufferedWindowKV | ks.StaticPrefixKV, batch: int) -> list[Any]:
+    """A buffered window: what the next query (at offset) can see, the last max_size - 1
+    positions held. A static prefix: positions [0, offset) (decoders mask the rest)."""
+    if isinstance(state, ks.BufferedWindowKV):
+        held = state.offset - state.start_position
+        seen = min(held, state.max_size - 1)
+        tag: tuple[Any, ...] = ("buffered", state.offset, seen)
+    else:
+        held = seen = state.offset
+        tag = ("static", state.offset, state.read_only)
+    keys = _row_slices(state.keys if seen else None, batch, [held - seen] * batch, held)
+    values = _row_slices(state.values if seen else None, batch, [held - seen] * batch, held)
+    return [(*tag, keys[r], values[r]) for r in range(batch)]
 
 
 def _pooled_meaning(state: ks.PooledKV, batch: int, history: bool) -> list[Any]:

@@ -67,6 +67,7 @@ def forward(cache: Any, kv: mx.array, gate: mx.array, ratio: int) -> Any:
 class PooledMachine(RowMachine):
     @initialize(data=st.data(), ratio=st.integers(2, 4), batched=st.booleans())
     def start(self, data: Any, ratio: int, batched: bool) -> None:
+        self.ratio = ratio
         self.config = {"ratio": ratio, "kv_dim": DIM, "pooled_dim": DIM, "dtype": mx.float32}
         self.rng = np.random.default_rng(data.draw(st.integers(0, 2**31), label="seed"))
         initial = data.draw(pooled_kv_states(batched=batched, appended=0, **self.config))
@@ -123,7 +124,7 @@ class PooledMachine(RowMachine):
 
     @rule(k=st.integers(1, 5))
     def forward(self, k: int) -> None:
-        ratio = self.config["ratio"]
+        ratio = self.ratio
         kv = noise(self.rng, (self.batch, k, DIM), mx.float32)
         gate = noise(self.rng, (self.batch, k, DIM), mx.float32)
         before = self.state
@@ -148,7 +149,7 @@ class PooledMachine(RowMachine):
         accepted = data.draw(accepted_counts(self.state), label="accepted")
         counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
         self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
-        ratio = self.config["ratio"]
+        ratio = self.ratio
         self.rows = [
             r if r.before is None else r.before.feed(r.inputs[:c], ratio)
             for r, c in zip(self.rows, counts, strict=True)
