@@ -38,8 +38,10 @@ class WrappedModel:
 
     Each call builds fresh mlx-lm cache objects from the state (O(1): the arrays are new
     objects over the same buffers), runs the model, and reads the caches back into a new
-    state. When the caller rebinds (`state = ...`) nothing else holds the old buffers and
-    MLX updates them in place; when the caller keeps the old state, MLX copies on write.
+    state; a plain forward from the state the previous plain forward returned runs on that
+    forward's cache objects instead (`_kept`). When the caller rebinds (`state = ...`)
+    nothing else holds the old buffers and MLX updates them in place; when the caller keeps
+    the old state, MLX copies on write.
 
     Every call first checks, without a device sync, that the state fits the model (one part
     per layer, of the kind and configuration the model's own `make_cache` gives) and that the
