@@ -13,11 +13,12 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from .._errors import StateError, TokenError
+from .._errors import CommitError, StateError, TokenError
 from .._transforms import capabilities, commit_prefix, filter, merge
 from .._tree import host_ints
 from ..distributed import agree, group_of
 from ._drafter import Drafter
+from ._replay import commit_may_be_refused, run_kept
 from ._sampling import Sampler, accept, greedy_picks
 
 
@@ -72,6 +73,9 @@ def generate(
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints, so a verify of attention-only targets skips them.
     capture = capabilities(state).needs_checkpoints
+    # Whether a commit can be refused (pooled windows): then each verify keeps the state it
+    # started from, to re-run the accepted tokens from when the commit is refused.
+    keep_before = commit_may_be_refused(state)
     key, last = _sample(sampler, logits, key)
     if group is not None:
         agree(last, group, what="the first tokens")
@@ -116,8 +120,9 @@ def generate(
             else:
                 logits, verified, *hidden = target(fed, state, **extra)
                 checkpoints = None
-            # Hold nothing of the pre-verify state while the verify runs: MLX then writes the
-            # KV buffers in place instead of copying them (the commit needs only `verified`).
+            # Otherwise hold nothing of the pre-verify state while the verify runs: MLX then
+            # writes the KV buffers in place instead of copying them.
+            before = state if keep_before else None
             del state
             if sampler.greedy:
                 # One read: the accepted counts and the target's picks, which are the
@@ -133,10 +138,17 @@ def generate(
                 verdict = accept(target_probs, drafted, probs, proposal.counts, sampler, sub)
                 accepted, nxt = verdict.accepted, verdict.next_tokens
                 drafts = cast(list[list[int]], drafted.tolist())  # evaluated: no wait
-            state = commit_prefix(verified, [a + 1 for a in accepted], checkpoints)
+            kept = [a + 1 for a in accepted]
+            try:
+                state = commit_prefix(verified, kept, checkpoints)
+            except CommitError:
+                if before is None:
+                    raise
+                # What a plain decode of the kept tokens gives, from the state before.
+                state = run_kept(target, before, fed, kept)
             # Nor the verified state: a plain verify's cache objects stay with it (the wrapped
             # model keeps them for a forward from it) and would share the committed buffers.
-            del verified, checkpoints
+            del verified, checkpoints, before
             if adaptive:
                 if all(a == span for a in accepted):
                     width = min(k, width + 1)

@@ -7,10 +7,12 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from .._dense import DenseKV
+from .._errors import CommitError
 from .._transforms import capabilities, commit_prefix, filter, merge
 from .._trust import inherit
 from ..kinds import Composite, replace, with_parts
 from ._drafter import Proposal
+from ._replay import run_kept
 from ._sampling import Sampler
 
 # Kinds whose commit only moves the end of the buffer back (`length` -= rejected): the
@@ -58,7 +60,8 @@ class ModelDrafter:
     - otherwise (windows, recurrent and hybrid draft models) the kept tokens run through the
       draft model again from the state before the proposal: one plain forward when every row
       kept the same number, one capturing forward and a ragged `commit_prefix` when rows
-      differ, so those draft models stay exact.
+      differ (row by row where that commit is refused: pooled windows), so those draft
+      models stay exact.
 
     `draft`: a wrapped model (`kvstate.adapters.wrap(model)`). `pipelined`: evaluate each
     draft token asynchronously as soon as its forward is built, so the device computes step
@@ -137,7 +140,10 @@ class ModelDrafter:
             self.state = self.draft(tokens, self.state)[1]
             return
         _, verified, checkpoints = self.draft(tokens, self.state, capture=True)
-        self.state = commit_prefix(verified, kept, checkpoints)
+        try:
+            self.state = commit_prefix(verified, kept, checkpoints)
+        except CommitError:  # a pooled window some row keeps only part of: row by row
+            self.state = run_kept(self.draft, self.state, tokens, kept)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.state = filter(self.state, rows)
