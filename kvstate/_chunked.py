@@ -17,6 +17,7 @@ import mlx.core as mx
 from ._errors import ConfigMismatchError, StateError, require
 from ._shared import array_kv_config, shared_appended, uniform_count
 from ._tree import State, replace
+from ._unpadded_kv import kv_batch_size, take_kv_rows, trimmed
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -80,9 +81,7 @@ def _(state: ChunkedKV, values: bool) -> list[str]:
     return found
 
 
-@batch_size_of.register
-def _(state: ChunkedKV) -> int:
-    return int(state.keys.shape[0]) if state.keys is not None else 1
+batch_size_of.register(ChunkedKV, kv_batch_size)
 
 
 @config_of.register
@@ -111,26 +110,17 @@ def _(state: ChunkedKV, counts: tuple[int, ...], checkpoints: Any) -> ChunkedKV:
     # ChunkedKVCache.trim. After a one-token forward (no `previous`) rejecting the token
     # keeps the front that forward dropped dropped; the next forward's trim would drop
     # exactly those entries, so every later result is the same.
-    rejected = state.appended - accepted
-    return replace(state, offset=state.offset - rejected, previous=None, appended=0)
+    return trimmed(state, accepted, previous=None)
 
 
 @take_rows.register
 def _(state: ChunkedKV, rows: tuple[int, ...]) -> ChunkedKV:
-    if state.keys is None or state.values is None:
-        if rows == (0,):
-            return state
-        raise StateError(
-            "row_select / tile: an empty ChunkedKV has no arrays, so no batch axis to gather "
-            "rows along; run the first forward (prefill) before tiling or selecting rows "
-            "(an empty state takes the batch size of its first forward)"
-        )
-    index = mx.array(rows, mx.int32)
+    taken = take_kv_rows(state, rows, " (an empty state takes the batch size of its first forward)")
     previous = state.previous
-    if previous is not None:
-        # An empty `previous` has no batch axis and needs none: it restores to empty.
-        previous = take_rows(previous, rows) if previous.keys is not None else previous
-    return replace(state, keys=state.keys[index], values=state.values[index], previous=previous)
+    # An empty `previous` has no batch axis and needs none: it restores to empty.
+    if state.keys is None or previous is None or previous.keys is None:
+        return taken
+    return replace(taken, previous=take_rows(previous, rows))
 
 
 @merge_states.register

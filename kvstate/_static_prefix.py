@@ -17,13 +17,12 @@ from typing import Any
 import mlx.core as mx
 
 from ._errors import ConfigMismatchError, StateError, require
-from ._shared import array_kv_config, shared_appended, uniform_count
+from ._shared import array_kv_config, shared_appended
 from ._tree import State, replace
+from ._unpadded_kv import register_unpadded_kv
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
-    batch_size_of,
-    commit_rows,
     config_of,
     extract_row,
     merge_states,
@@ -31,7 +30,6 @@ from .kinds import (
     record_forward,
     state_class,
     static_field,
-    take_rows,
 )
 
 
@@ -64,11 +62,6 @@ def _(state: StaticPrefixKV, values: bool) -> list[str]:
     return found
 
 
-@batch_size_of.register
-def _(state: StaticPrefixKV) -> int:
-    return int(state.keys.shape[0]) if state.keys is not None else 1
-
-
 @config_of.register
 def _(state: StaticPrefixKV) -> dict[str, Any]:
     return array_kv_config(
@@ -82,24 +75,7 @@ def _(state: StaticPrefixKV, before: StaticPrefixKV, n: int) -> StaticPrefixKV:
     return state if state.appended == appended else replace(state, appended=appended)
 
 
-@commit_rows.register
-def _(state: StaticPrefixKV, counts: tuple[int, ...], checkpoints: Any) -> StaticPrefixKV:
-    rejected = state.appended - uniform_count(state, counts)
-    return replace(state, offset=state.offset - rejected, appended=0)
-
-
-@take_rows.register
-def _(state: StaticPrefixKV, rows: tuple[int, ...]) -> StaticPrefixKV:
-    if state.keys is None or state.values is None:
-        if rows == (0,):
-            return state
-        raise StateError(
-            "row_select / tile: an empty StaticPrefixKV has no arrays, so no batch axis to "
-            "gather rows along; run the first forward (prefill) before tiling or selecting "
-            "rows"
-        )
-    index = mx.array(rows, mx.int32)
-    return replace(state, keys=state.keys[index], values=state.values[index])
+register_unpadded_kv(StaticPrefixKV)  # batch size, take_rows, commit by trimming
 
 
 def _grown(a: mx.array, capacity: int) -> mx.array:

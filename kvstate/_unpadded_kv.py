@@ -1,0 +1,53 @@
+"""Row transforms shared by the unpadded KV kinds: keys / values (B, H, capacity, D) and one
+length (`offset`) for all rows, as mlx-lm's ChunkedKVCache and mlx-vlm's
+BufferedRotatingKVCache and StaticPrefixKVCache hold them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ._errors import StateError
+from ._shared import uniform_count
+from ._tree import replace
+from .kinds import batch_size_of, commit_rows, take_rows
+
+
+def kv_batch_size(state: Any) -> int:
+    """The batch axis of `state.keys`; an empty state (no arrays) counts as one row."""
+    return int(state.keys.shape[0]) if state.keys is not None else 1
+
+
+def take_kv_rows(state: Any, rows: tuple[int, ...], note: str = "") -> Any:
+    """`rows` of keys and values. An empty state is its own row (0,) and has no others: a
+    StateError naming its kind (`note` appended to the message)."""
+    if state.keys is None or state.values is None:
+        if rows == (0,):
+            return state
+        raise StateError(
+            f"row_select / tile: an empty {type(state).__name__} has no arrays, so no batch "
+            "axis to gather rows along; run the first forward (prefill) before tiling or "
+            f"selecting rows{note}"
+        )
+    index = mx.array(rows, mx.int32)
+    return replace(state, keys=state.keys[index], values=state.values[index])
+
+
+def trimmed(state: Any, accepted: int, **fields: Any) -> Any:
+    """`state` with the last forward's rejected tokens trimmed off the end (the next update
+    overwrites them), nothing pending, and `fields` replaced."""
+    rejected = state.appended - accepted
+    return replace(state, offset=state.offset - rejected, appended=0, **fields)
+
+
+def commit_by_trim(state: Any, counts: tuple[int, ...], checkpoints: Any) -> Any:
+    """`commit_rows` of a kind whose rollback is trimming the end: one count for all rows."""
+    return trimmed(state, uniform_count(state, counts))
+
+
+def register_unpadded_kv(cls: type) -> None:
+    """Register `kv_batch_size`, `take_kv_rows` and `commit_by_trim` for the kind `cls`."""
+    batch_size_of.register(cls, kv_batch_size)
+    take_rows.register(cls, take_kv_rows)
+    commit_rows.register(cls, commit_by_trim)
