@@ -56,6 +56,33 @@ def _noise(seed: int, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
+def _kv_noise(
+    seed: int, shape: tuple[int, int, int], k_dim: int, v_dim: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """Random keys (*shape, k_dim) and values (*shape, v_dim) from seeds `seed`, `seed + 1`."""
+    return _noise(seed, (*shape, k_dim), dtype), _noise(seed + 1, (*shape, v_dim), dtype)
+
+
+def _kv_shape(
+    draw: Any,
+    batch: Knob,
+    heads: Knob,
+    k_dim: Knob,
+    v_dim: Knob,
+    dtype: Knob,
+    dims: tuple[int, ...] = (2, 4, 8),
+) -> tuple[int, int, int, int, mx.Dtype]:
+    """(batch, heads, k_dim, v_dim, dtype) of a KV state, each knob drawn if not fixed: batch
+    in 1..3, heads in 1..2, key and value head dims in `dims`, dtype in `DTYPES`."""
+    return (
+        _knob(draw, batch, st.integers(1, 3)),
+        _knob(draw, heads, st.integers(1, 2)),
+        _knob(draw, k_dim, st.sampled_from(dims)),
+        _knob(draw, v_dim, st.sampled_from(dims)),
+        _knob(draw, dtype, st.sampled_from(DTYPES)),
+    )
+
+
 _SEEDS = st.integers(0, 2**32 - 1)
 _MAYBE_EMPTY = st.sampled_from([False, False, True])
 
@@ -149,8 +176,7 @@ def dense_kv_states(
         appended = draw(st.integers(0, length - max(paddings)))
     capacity = length if concatenate else length + draw(st.integers(0, 4))
     seed = draw(_SEEDS)
-    keys = _noise(seed, (batch, heads, capacity, k_dim), dtype)
-    values = _noise(seed + 1, (batch, heads, capacity, v_dim), dtype)
+    keys, values = _kv_noise(seed, (batch, heads, capacity), k_dim, v_dim, dtype)
     left_padding = mx.array(paddings, mx.int32) if padded else None
     return DenseKV(
         keys,
@@ -325,11 +351,7 @@ def chunked_kv_states(
     chunk_size in 2..6; `empty=True` gives `keys is None` (batch 1 only, like the quantized
     kind). keys (B, H, capacity, Dk).
     """
-    batch = _knob(draw, batch, st.integers(1, 3))
-    heads = _knob(draw, heads, st.integers(1, 2))
-    k_dim = _knob(draw, k_dim, st.sampled_from([2, 4, 8]))
-    v_dim = _knob(draw, v_dim, st.sampled_from([2, 4, 8]))
-    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    batch, heads, k_dim, v_dim, dtype = _kv_shape(draw, batch, heads, k_dim, v_dim, dtype)
     chunk_size = _knob(draw, chunk_size, st.integers(2, 6))
     appended = _knob(draw, appended, st.none())
     empty = False if appended or batch != 1 else _knob(draw, empty, _MAYBE_EMPTY)
@@ -342,12 +364,10 @@ def chunked_kv_states(
     held = _knob(draw, held, st.integers(0 if appended else 1, chunk_size + 2))
     spare = draw(st.integers(0, 3))
 
-    def buffer(n: int, dim: int, offset: int) -> mx.array:
-        return _noise(seed + offset, (batch, heads, n, dim), dtype)
-
+    k, v = _kv_noise(seed, (batch, heads, held + spare), k_dim, v_dim, dtype)
     before = ChunkedKV(
-        buffer(held + spare, k_dim, 0) if held else None,
-        buffer(held + spare, v_dim, 1) if held else None,
+        k if held else None,
+        v if held else None,
         chunk_size=chunk_size,
         offset=start + held if held else 0,
         start_position=start if held else 0,
@@ -365,7 +385,7 @@ def chunked_kv_states(
             first + trim,
             chunk_size,
         )
-    new_k, new_v = buffer(appended, k_dim, 2), buffer(appended, v_dim, 3)
+    new_k, new_v = _kv_noise(seed + 2, (batch, heads, appended), k_dim, v_dim, dtype)
     if keys is not None and values is not None:
         new_k = mx.concatenate([keys[..., :held, :], new_k], axis=2)
         new_v = mx.concatenate([values[..., :held, :], new_v], axis=2)

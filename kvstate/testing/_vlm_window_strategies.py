@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from .._buffered_window import BufferedWindowKV, held
 from .._static_prefix import StaticPrefixKV
 from .._tree import replace
-from ._strategies import _SEEDS, DTYPES, Knob, _knob, _noise, strategy_for
+from ._strategies import _SEEDS, Knob, _knob, _kv_noise, _kv_shape, strategy_for
 
 
 def buffered_update(state: BufferedWindowKV, keys: mx.array, values: mx.array) -> BufferedWindowKV:
@@ -59,11 +59,7 @@ def buffered_window_kv_states(
     Draws: batch in 1..3, heads in 1..2, head dims in {2, 4}, dtype in `DTYPES`, max_size in
     2..6, buffer_size in 0..3. keys (B, H, capacity, Dk). With no forward at all: empty.
     """
-    batch = _knob(draw, batch, st.integers(1, 3))
-    heads = _knob(draw, heads, st.integers(1, 2))
-    k_dim = _knob(draw, k_dim, st.sampled_from([2, 4]))
-    v_dim = _knob(draw, v_dim, st.sampled_from([2, 4]))
-    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    batch, heads, k_dim, v_dim, dtype = _kv_shape(draw, batch, heads, k_dim, v_dim, dtype, (2, 4))
     max_size = _knob(draw, max_size, st.integers(2, 6))
     buffer_size = _knob(draw, buffer_size, st.integers(0, 3))
     appended = _knob(draw, appended, st.integers(0, 3))
@@ -73,18 +69,18 @@ def buffered_window_kv_states(
     seed = draw(_SEEDS)
     state = BufferedWindowKV(max_size=max_size, buffer_size=buffer_size, step=4)
     for i, n in enumerate([*sizes, appended] if appended else sizes):
-        keys = _noise(seed + 2 * i, (batch, heads, n, k_dim), dtype)
-        values = _noise(seed + 2 * i + 1, (batch, heads, n, v_dim), dtype)
-        state = buffered_update(state, keys, values)
+        state = buffered_update(
+            state, *_kv_noise(seed + 2 * i, (batch, heads, n), k_dim, v_dim, dtype)
+        )
     if not appended:
         state = replace(state, appended=0)
     spare = draw(st.integers(0, 2))
     if spare and state.keys is not None and state.values is not None:
-        k, v = state.keys, state.values
+        k, v = _kv_noise(seed + 90, (batch, heads, spare), k_dim, v_dim, dtype)
         state = replace(
             state,
-            keys=mx.concatenate([k, _noise(seed + 90, (*k.shape[:2], spare, k_dim), dtype)], 2),
-            values=mx.concatenate([v, _noise(seed + 91, (*v.shape[:2], spare, v_dim), dtype)], 2),
+            keys=mx.concatenate([state.keys, k], 2),
+            values=mx.concatenate([state.values, v], 2),
         )
     return state
 
@@ -109,11 +105,7 @@ def static_prefix_kv_states(
     Draws: batch in 1..3, heads in 1..2, head dims in {2, 4}, dtype in `DTYPES`; step in
     {2, 4, 256}. keys (B, H, capacity, Dk).
     """
-    batch = _knob(draw, batch, st.integers(1, 3))
-    heads = _knob(draw, heads, st.integers(1, 2))
-    k_dim = _knob(draw, k_dim, st.sampled_from([2, 4]))
-    v_dim = _knob(draw, v_dim, st.sampled_from([2, 4]))
-    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    batch, heads, k_dim, v_dim, dtype = _kv_shape(draw, batch, heads, k_dim, v_dim, dtype, (2, 4))
     appended = _knob(draw, appended, st.integers(0, 3))
     read_only = False if appended else _knob(draw, read_only, st.booleans())
     step = draw(st.sampled_from([2, 4, 256]))
@@ -121,10 +113,8 @@ def static_prefix_kv_states(
     offset = draw(st.integers(appended, capacity))
     if batch == 1 and offset == 0 and draw(st.booleans()):
         return StaticPrefixKV(max_size=capacity, step=step, read_only=read_only)
-    seed = draw(_SEEDS)
     return StaticPrefixKV(
-        _noise(seed, (batch, heads, capacity, k_dim), dtype),
-        _noise(seed + 1, (batch, heads, capacity, v_dim), dtype),
+        *_kv_noise(draw(_SEEDS), (batch, heads, capacity), k_dim, v_dim, dtype),
         max_size=capacity,
         step=step,
         offset=offset,
