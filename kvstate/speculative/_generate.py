@@ -120,8 +120,8 @@ def generate(
             else:
                 logits, verified, *hidden = target(fed, state, **extra)
                 checkpoints = None
-            # Otherwise hold nothing of the pre-verify state while the verify runs: MLX then
-            # writes the KV buffers in place instead of copying them.
+            # Hold nothing of the pre-verify state while the verify runs (MLX then writes the
+            # KV buffers in place instead of copying them), unless a commit can be refused.
             before = state if keep_before else None
             del state
             if sampler.greedy:
