@@ -133,8 +133,11 @@ def test_a_buffered_window_whose_counts_disagree_is_refused():
         from_mlx_vlm(cache)
 
 
-@given(state=buffered_window_kv_states(**SHAPES, appended=0), k=st.integers(1, 6), data=st.data())
-def test_buffered_commit_is_mlx_vlm_trim_and_attends_as_decoding_only_the_kept(state, k, data):
+def assert_commit_is_trim(
+    state: Any, k: int, data: Any, fields: tuple[str, ...], futures: list[int]
+) -> None:
+    """A verify forward of `k` tokens, then commit_prefix of a drawn `kept`: mlx-vlm's `trim`
+    (its `fields`), and forwards of `futures` tokens attend as after decoding only the kept."""
     batch = ks.batch_size(state)
     verify = to_mlx_vlm(state)
     verify.update_and_fetch(*kv(k, 1, batch))
@@ -142,18 +145,23 @@ def test_buffered_commit_is_mlx_vlm_trim_and_attends_as_decoding_only_the_kept(s
     kept = data.draw(st.integers(0, k), label="kept")
     committed = to_mlx_vlm(ks.commit_prefix(verified, kept))
     verify.trim(k - kept)
-    same_fields(committed, verify, BUFFERED)
+    same_fields(committed, verify, fields)
     direct = to_mlx_vlm(state)
     if kept:
         keys, values = kv(k, 1, batch)
         direct.update_and_fetch(keys[..., :kept, :], values[..., :kept, :])
-    for i, n in enumerate([1, 3, 1]):  # the kept tokens' future is the same
+    for i, n in enumerate(futures):
         np.testing.assert_allclose(
             np.array(attend(committed, n, 7 + i, batch)),
             np.array(attend(direct, n, 7 + i, batch)),
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+@given(state=buffered_window_kv_states(**SHAPES, appended=0), k=st.integers(1, 6), data=st.data())
+def test_buffered_commit_is_mlx_vlm_trim_and_attends_as_decoding_only_the_kept(state, k, data):
+    assert_commit_is_trim(state, k, data, BUFFERED, [1, 3, 1])
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,25 +207,7 @@ def test_static_prefix_round_trips_and_behaves_the_same(sizes, read_only):
     data=st.data(),
 )
 def test_static_prefix_commit_is_mlx_vlm_trim_and_attends_as_decoding_only_the_kept(state, k, data):
-    batch = ks.batch_size(state)
-    verify = to_mlx_vlm(state)
-    verify.update_and_fetch(*kv(k, 1, batch))
-    verified = record_forward(from_mlx_vlm(verify), state, k)
-    kept = data.draw(st.integers(0, k), label="kept")
-    committed = to_mlx_vlm(ks.commit_prefix(verified, kept))
-    verify.trim(k - kept)
-    same_fields(committed, verify, STATIC)
-    direct = to_mlx_vlm(state)
-    if kept:
-        keys, values = kv(k, 1, batch)
-        direct.update_and_fetch(keys[..., :kept, :], values[..., :kept, :])
-    for i, n in enumerate([1, 3]):
-        np.testing.assert_allclose(
-            np.array(attend(committed, n, 7 + i, batch)),
-            np.array(attend(direct, n, 7 + i, batch)),
-            rtol=1e-5,
-            atol=1e-6,
-        )
+    assert_commit_is_trim(state, k, data, STATIC, [1, 3])
 
 
 def test_a_forward_through_a_read_only_prefix_appends_nothing():
