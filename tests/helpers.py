@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -79,13 +80,29 @@ def assert_teacher_forced_logits_match(
         at += size
 
 
+Commit = Callable[[Any, Any, list[int], Any], Any]
+"""`(state, verified, kept tokens, checkpoints) -> the state after them`."""
+
+
+def commit_kept(state: Any, verified: Any, kept: list[int], checkpoints: Any) -> Any:
+    """The plain commit of a speculative round: commit_prefix of the kept tokens."""
+    return ks.commit_prefix(verified, len(kept), checkpoints)
+
+
 def speculate_with_corrupted_oracle(
-    m: Any, prompt: list[int], ref: list[int], n: int, k: int = 4, vocab: int = 256
+    m: Any,
+    prompt: list[int],
+    ref: list[int],
+    n: int,
+    k: int = 4,
+    vocab: int = 256,
+    keep: float = 0.67,
+    commit: Commit = commit_kept,
 ) -> tuple[list[int], list[int]]:
     """A draft-and-verify loop through `m` (a wrapped model): drafts are the reference's next
-    tokens, about a third of them corrupted; each round verifies with capture=True and keeps
-    the agreeing prefix with commit_prefix. Returns (the first n emitted tokens, the commit
-    length of every round)."""
+    tokens, each kept with probability `keep` (else corrupted); each round verifies with
+    capture=True and keeps the agreeing prefix with `commit` (commit_prefix). Returns (the
+    first n emitted tokens, the commit length of every round)."""
     rng = np.random.default_rng(0)
     logits, state = m(mx.array([prompt]), m.init_state())
     y = int(logits[0, -1].argmax().item())
@@ -95,14 +112,14 @@ def speculate_with_corrupted_oracle(
         out.append(y)
         at = len(out)
         draft = [
-            ref[at + i] if rng.random() < 0.67 else (ref[at + i] + 1) % vocab for i in range(k - 1)
+            ref[at + i] if rng.random() < keep else (ref[at + i] + 1) % vocab for i in range(k - 1)
         ]
         logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
         preds = np.array(logits[0].argmax(-1)).tolist()
         ok = 0
         while ok < k - 1 and draft[ok] == preds[ok]:
             ok += 1
-        state = ks.commit_prefix(verified, 1 + ok, checkpoints)
+        state = commit(state, verified, [y, *draft[:ok]], checkpoints)
         accepted.append(1 + ok)
         out.extend(draft[:ok])
         y = preds[ok]

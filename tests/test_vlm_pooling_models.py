@@ -18,6 +18,7 @@ from mlx_vlm.models.cache import make_prompt_cache
 
 import kvstate as ks
 from kvstate.adapters.vlm import to_mlx_vlm, wrap
+from tests.helpers import speculate_with_corrupted_oracle
 from tests.vlm_helpers import _scaled, vlm_generate
 
 VOCAB = 64
@@ -145,32 +146,22 @@ def test_speculative_decode_equals_greedy_and_refuses_only_pooled_rollbacks(mode
     n, k = 24, 4
     ref, _ = vlm_generate(model, PROMPT, n + k)
     m = wrap(model)
-    rng = np.random.default_rng(0)
-    logits, state = m(mx.array([PROMPT]), m.init_state())
-    y = int(logits[0, -1].argmax().item())
-    out: list[int] = []
     outcomes = {"partial": 0, "refused": 0}
-    while len(out) < n:
-        out.append(y)
-        at = len(out)
-        draft = [
-            ref[at + i] if rng.random() < 0.6 else (ref[at + i] + 1) % VOCAB for i in range(k - 1)
-        ]
-        logits, verified, checkpoints = m(mx.array([[y, *draft]]), state, capture=True)
-        preds = np.array(logits[0].argmax(-1)).tolist()
-        ok = 0
-        while ok < k - 1 and draft[ok] == preds[ok]:
-            ok += 1
+
+    def commit_or_rerun(state: Any, verified: Any, kept: list[int], checkpoints: Any) -> Any:
         try:
-            state = ks.commit_prefix(verified, 1 + ok, checkpoints)
-            outcomes["partial"] += ok < k - 1
+            committed = ks.commit_prefix(verified, len(kept), checkpoints)
         except ks.CommitError as err:
             assert "pooled" in str(err)
-            _, state = m(mx.array([[y, *draft[:ok]]]), state)
             outcomes["refused"] += 1
-        out.extend(draft[:ok])
-        y = preds[ok]
-    assert out[:n] == ref[:n]
+            return m(mx.array([kept]), state)[1]
+        outcomes["partial"] += len(kept) < k
+        return committed
+
+    out, _ = speculate_with_corrupted_oracle(
+        m, PROMPT, ref, n, k, VOCAB, keep=0.6, commit=commit_or_rerun
+    )
+    assert out == ref[:n]
     assert outcomes["partial"] >= 2 and outcomes["refused"] >= 1, outcomes
 
 
