@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvstate as ks
 from kvstate.kinds import appended_of
+from kvstate.testing import accepted_counts
 
 from ._reference import Witness
 
@@ -70,6 +71,15 @@ class RowMachine(RuleBasedStateMachine):
         """The per-row records of the pending forward are unknown (after merge / extend)."""
 
     # -- helpers -------------------------------------------------------------------------
+
+    def commit_drawn(self, data: Any, *checkpoints: Any) -> list[int]:
+        """Commit a drawn accepted count (one, or one per row) of the pending forward, with
+        `checkpoints` if given; returns every row's count."""
+        accepted = data.draw(accepted_counts(self.state), label="accepted")
+        self.state = self.apply(
+            "commit_prefix", ks.commit_prefix, self.state, accepted, *checkpoints
+        )
+        return [accepted] * self.batch if isinstance(accepted, int) else list(accepted)
 
     def partner(self, label: str, batch: int | None = None) -> Any:
         return self.witness.hold(self.draw_state(label, batch), label)

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 import kvstate as ks
 from kvstate.adapters import to_mlx_lm
-from kvstate.testing import DTYPES, accepted_counts, dense_kv_states
+from kvstate.testing import DTYPES, dense_kv_states
 
 from ._machine import RowMachine
 from ._reference import (
@@ -68,9 +68,7 @@ class DenseMachine(RowMachine):
 
     @rule(data=st.data())
     def commit(self, data):
-        accepted = data.draw(accepted_counts(self.state), label="accepted")
-        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
-        self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
+        counts = self.commit_drawn(data)
         event(
             f"commit: {'ragged' if len(set(counts)) > 1 else 'uniform'}, rejects {self.pending - min(counts)}"
         )

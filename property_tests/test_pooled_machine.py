@@ -26,7 +26,7 @@ import kvstate as ks
 from kvstate._pooled import rows_of
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 from kvstate.kinds import record_forward
-from kvstate.testing import accepted_counts, pooled_kv_states
+from kvstate.testing import pooled_kv_states
 
 from ._machine import RowMachine
 from ._reference import noise
@@ -146,9 +146,7 @@ class PooledMachine(RowMachine):
 
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        accepted = data.draw(accepted_counts(self.state), label="accepted")
-        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
-        self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
+        counts = self.commit_drawn(data)
         ratio = self.ratio
         self.rows = [
             r if r.before is None else r.before.feed(r.inputs[:c], ratio)

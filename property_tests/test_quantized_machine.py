@@ -23,7 +23,7 @@ from hypothesis.stateful import initialize, invariant, rule
 
 import kvstate as ks
 from kvstate.quantization import Codec
-from kvstate.testing import DTYPES, QUANT_BITS, ROTATION_KINDS, accepted_counts, quantized_kv_states
+from kvstate.testing import DTYPES, QUANT_BITS, ROTATION_KINDS, quantized_kv_states
 
 from ._machine import RowMachine
 from ._reference import Row, assert_rows_equal, cache_forward, committed, noise, packed_tokens
@@ -117,9 +117,7 @@ class QuantizedMachine(RowMachine):
 
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        accepted = data.draw(accepted_counts(self.state), label="accepted")
-        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
-        self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
+        counts = self.commit_drawn(data)
         event(
             f"quantized commit: {'ragged' if len(set(counts)) > 1 else 'uniform'}, batch {self.batch}"
         )

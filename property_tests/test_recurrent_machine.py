@@ -192,11 +192,7 @@ class RecurrentMachine(RowMachine):
     @precondition(lambda self: self.pending > 0 and self.checkpoints is not None)
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        accepted = data.draw(accepted_counts(self.state), label="accepted")
-        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
-        self.state = self.apply(
-            "commit_prefix", ks.commit_prefix, self.state, accepted, self.checkpoints
-        )
+        counts = self.commit_drawn(data, self.checkpoints)
 
         def unadvanced(x: int | None, c: int) -> int | None:
             return None if x is None else x + (self.pending - c)

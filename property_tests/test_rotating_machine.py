@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import kvstate as ks
-from kvstate.testing import DTYPES, accepted_counts, rotating_kv_states
+from kvstate.testing import DTYPES, rotating_kv_states
 
 from ._machine import RowMachine
 from ._reference import assert_same, bits, cache_forward, meaning, noise, window_rows, window_view
@@ -137,9 +137,7 @@ class RotatingMachine(RowMachine):
 
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        accepted = data.draw(accepted_counts(self.state), label="accepted")
-        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
-        self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
+        counts = self.commit_drawn(data)
         self.rows = [h.drop(self.pending - c) for h, c in zip(self.rows, counts, strict=True)]
         self.rejected = self.pending - min(counts)
         self.pending = 0

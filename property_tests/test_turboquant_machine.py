@@ -34,7 +34,7 @@ from mlx_vlm import turboquant as tq
 import kvstate as ks
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 from kvstate.kinds import record_forward
-from kvstate.testing import accepted_counts, turboquant_kv_states
+from kvstate.testing import turboquant_kv_states
 from kvstate.turboquant import is_split, low_channels, split_sizes
 
 from ._machine import RowMachine
@@ -129,9 +129,7 @@ class TurboQuantRows(RowMachine):
 
     @rule(data=st.data())
     def commit(self, data: Any) -> None:
-        accepted = data.draw(accepted_counts(self.state), label="accepted")
-        counts = [accepted] * self.batch if isinstance(accepted, int) else accepted
-        self.state = self.apply("commit_prefix", ks.commit_prefix, self.state, accepted)
+        counts = self.commit_drawn(data)
         event(f"turboquant commit: {'ragged' if len(set(counts)) > 1 else 'uniform'}")
         self.rows, self.pending = committed(self.rows, counts, self.pending), 0
 
