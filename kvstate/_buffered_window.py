@@ -20,7 +20,7 @@ import mlx.core as mx
 from ._errors import ConfigMismatchError, StateError, require
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, replace
-from ._unpadded_kv import register_unpadded_kv
+from ._unpadded_kv import held, register_unpadded_kv
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -49,11 +49,6 @@ class BufferedWindowKV(State):
     offset: int = static_field(default=0)
     start_position: int = static_field(default=0)
     appended: int = static_field(default=0)
-
-
-def held(state: BufferedWindowKV) -> int:
-    """Buffer entries in use (mlx-vlm's `_idx`)."""
-    return state.offset - state.start_position
 
 
 @problems.register

@@ -17,7 +17,7 @@ import mlx.core as mx
 from ._errors import ConfigMismatchError, StateError, require
 from ._shared import array_kv_config, shared_appended, uniform_count
 from ._tree import State, replace
-from ._unpadded_kv import kv_batch_size, take_kv_rows, trimmed
+from ._unpadded_kv import held, kv_batch_size, take_kv_rows, trimmed
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -51,11 +51,6 @@ class ChunkedKV(State):
     appended: int = static_field(default=0)
 
 
-def valid(state: ChunkedKV) -> int:
-    """Buffer positions in use: offset - start_position."""
-    return state.offset - state.start_position
-
-
 def _used(a: mx.array, n: int) -> mx.array:
     return a if a.shape[2] == n else a[..., :n, :]
 
@@ -69,8 +64,8 @@ def _(state: ChunkedKV, values: bool) -> list[str]:
     capacity = 0 if state.keys is None else int(state.keys.shape[2])
     found += static_int("start_position", state.start_position, 0, state.offset)
     if not found:
-        found += static_int("offset - start_position", valid(state), 0, capacity)
-        found += static_int("appended", state.appended, 0, valid(state))
+        found += static_int("offset - start_position", held(state), 0, capacity)
+        found += static_int("appended", state.appended, 0, held(state))
     prev = state.previous
     if prev is not None:
         if not isinstance(prev, ChunkedKV):
@@ -143,7 +138,7 @@ def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
         )
     k0, v0 = filled[0].keys, filled[0].values
     assert k0 is not None and v0 is not None
-    n = valid(first)
+    n = held(first)
 
     def part(s: ChunkedKV, a: mx.array | None, like: mx.array) -> mx.array:
         if a is None:  # an empty state at position 0: one row of nothing
@@ -176,10 +171,10 @@ def _keeping_pending(merged: ChunkedKV, states: Sequence[ChunkedKV]) -> ChunkedK
         or len({(p.start_position, p.offset) for p in previous if p}) > 1
     ):
         return merged
-    held = [p for p in previous if p is not None and p.keys is not None]
-    if held and len(held) != len(previous):
+    filled = [p for p in previous if p is not None and p.keys is not None]
+    if filled and len(filled) != len(previous):
         return merged
-    record = merge_states(held[0], held[1:]) if held else previous[0]
+    record = merge_states(filled[0], filled[1:]) if filled else previous[0]
     return replace(merged, previous=record, appended=n)
 
 
@@ -187,7 +182,7 @@ def _keeping_pending(merged: ChunkedKV, states: Sequence[ChunkedKV]) -> ChunkedK
 def _(state: ChunkedKV, row: int) -> ChunkedKV:
     if state.keys is None or state.values is None:
         return ChunkedKV(chunk_size=state.chunk_size)
-    n = valid(state)
+    n = held(state)
     previous = state.previous
     if previous is not None and previous.keys is not None:
         previous = extract_row(previous, row)

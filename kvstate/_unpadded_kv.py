@@ -14,6 +14,12 @@ from ._tree import replace
 from .kinds import batch_size_of, commit_rows, take_rows
 
 
+def held(state: Any) -> int:
+    """Buffer entries in use by a window kind holding positions [start_position, offset) at
+    indices [0, offset - start_position) (mlx-vlm's `_idx`)."""
+    return int(state.offset - state.start_position)
+
+
 def kv_batch_size(state: Any) -> int:
     """The batch axis of `state.keys`; an empty state (no arrays) counts as one row."""
     return int(state.keys.shape[0]) if state.keys is not None else 1

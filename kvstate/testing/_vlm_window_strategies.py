@@ -8,9 +8,10 @@ from typing import Any
 import mlx.core as mx
 from hypothesis import strategies as st
 
-from .._buffered_window import BufferedWindowKV, held
+from .._buffered_window import BufferedWindowKV
 from .._static_prefix import StaticPrefixKV
 from .._tree import replace
+from .._unpadded_kv import held
 from ._strategies import _SEEDS, Knob, _knob, _kv_noise, _kv_shape, strategy_for
 
 
