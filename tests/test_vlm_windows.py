@@ -56,6 +56,16 @@ def same_fields(ours: Any, theirs: Any, names: tuple[str, ...]) -> None:
         assert getattr(ours, name) == getattr(theirs, name), name
 
 
+def same_update(ours: Any, theirs: Any, n: int, seed: int, batch: int = 2) -> None:
+    """The same update_and_fetch of n tokens on both caches returns the same keys and values."""
+    for a, b in zip(
+        ours.update_and_fetch(*kv(n, seed, batch)),
+        theirs.update_and_fetch(*kv(n, seed, batch)),
+        strict=True,
+    ):
+        same(a, b, "update_and_fetch")
+
+
 def same_mask(a: Any, b: Any) -> None:
     if isinstance(a, mx.array) or isinstance(b, mx.array):
         same(a, b, "mask")
@@ -98,12 +108,7 @@ def test_buffered_window_round_trips_and_behaves_the_same(sizes):
     for i, n in enumerate([1, 3, 1, 6, 1, 1]):
         for args in ((n,), (n, None, True)):
             same_mask(back.make_mask(*args), cache.make_mask(*args))
-        for ours, theirs in zip(
-            back.update_and_fetch(*kv(n, 50 + i, 2)),
-            cache.update_and_fetch(*kv(n, 50 + i, 2)),
-            strict=True,
-        ):
-            same(ours, theirs, "update_and_fetch")
+        same_update(back, cache, n, 50 + i)
         same_fields(back, cache, BUFFERED)
         back = to_mlx_vlm(from_mlx_vlm(back))  # through the state at every step
     same(back.state[0], cache.state[0], "state")
@@ -191,12 +196,7 @@ def test_static_prefix_round_trips_and_behaves_the_same(sizes, read_only):
     for i, n in enumerate([1, 3, 5]):
         for ours, theirs in zip(back.decoder_state, cache.decoder_state, strict=True):
             same(ours, theirs, "decoder_state")
-        for ours, theirs in zip(
-            back.update_and_fetch(*kv(n, 50 + i, 2)),
-            cache.update_and_fetch(*kv(n, 50 + i, 2)),
-            strict=True,
-        ):
-            same(ours, theirs, "update_and_fetch")
+        same_update(back, cache, n, 50 + i)
         same_fields(back, cache, STATIC)
         back = to_mlx_vlm(from_mlx_vlm(back))
 
