@@ -116,6 +116,14 @@ def _padded_rows(
     return length, paddings, appended
 
 
+def _empty_padded(spec: Any, batch: int, padded: bool) -> Any:
+    """An empty state of a left-padded KV kind (`spec`: its statics): its batch, if not 1 or
+    `padded`, lives in its (zero) left padding."""
+    if padded or batch != 1:
+        return replace(spec, left_padding=mx.zeros((batch,), mx.int32))
+    return spec
+
+
 # ---------------------------------------------------------------------------------------
 # Dense KV (KVCache, BatchKVCache, ConcatenateKVCache)
 # ---------------------------------------------------------------------------------------
@@ -297,12 +305,8 @@ def quantized_kv_states(
         seed=seed,
     )
     rows = _padded_rows(draw, batch, padded, length, empty, appended, max_length)
-    if rows is None:  # an empty state: its batch (if not 1) lives in its left padding
-        return (
-            replace(spec, left_padding=mx.zeros((batch,), mx.int32))
-            if padded or batch != 1
-            else spec
-        )
+    if rows is None:
+        return _empty_padded(spec, batch, padded)
     length, paddings, appended = rows
     capacity = length + draw(st.integers(0, 3))
     noise_seed = draw(_SEEDS)

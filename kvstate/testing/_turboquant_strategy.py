@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from .._tree import replace
 from .._turboquant import TurboQuantKV, index_width, is_split, split_sizes
-from ._strategies import _SEEDS, Knob, _knob, _padded_rows, strategy_for
+from ._strategies import _SEEDS, Knob, _empty_padded, _knob, _padded_rows, strategy_for
 
 TURBOQUANT_DRAWN_BITS = (2, 3, 4, 2.5, 3.5)
 """The bit widths `turboquant_kv_states` draws: integer (MSE) and x.5 (Split)."""
@@ -96,12 +96,8 @@ def turboquant_kv_states(
         policy_bits=4.0 if form == "hybrid" else 0.0,
     )
     rows = _padded_rows(draw, batch, padded, length, empty, appended, max_length)
-    if rows is None:  # an empty state: its batch (if not 1) lives in its left padding
-        return (
-            replace(spec, left_padding=mx.zeros((batch,), mx.int32))
-            if padded or batch != 1
-            else spec
-        )
+    if rows is None:
+        return _empty_padded(spec, batch, padded)
     length, paddings, appended = rows
     rng = np.random.default_rng(draw(_SEEDS))
     shape = (batch, heads, length + draw(st.integers(0, 3)))
