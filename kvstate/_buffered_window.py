@@ -17,10 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ConfigMismatchError, StateError, require
+from ._errors import StateError
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, replace
-from ._unpadded_kv import held, register_unpadded_kv
+from ._unpadded_kv import held, register_unpadded_kv, require_one_span
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -85,13 +85,10 @@ register_unpadded_kv(BufferedWindowKV)  # batch size, take_rows, commit by trimm
 @merge_states.register
 def _(first: BufferedWindowKV, rest: Sequence[BufferedWindowKV]) -> BufferedWindowKV:
     states = [first, *rest]
-    spans = [(s.start_position, s.offset) for s in states]
-    require(
-        len(set(spans)) == 1,
-        ConfigMismatchError,
-        f"merge: BufferedWindowKV states with (start_position, offset) {spans} cannot be "
-        "batched: mlx-vlm's BufferedRotatingKVCache has no left padding (one offset and one "
-        "mask for all rows), so every row must be at the same position",
+    require_one_span(
+        states,
+        "mlx-vlm's BufferedRotatingKVCache has no left padding (one offset and one mask for "
+        "all rows), so every row must be at the same position",
     )
     filled = [s for s in states if s.keys is not None]
     if len(filled) != len(states):

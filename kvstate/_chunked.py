@@ -14,10 +14,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ConfigMismatchError, StateError, require
+from ._errors import StateError
 from ._shared import array_kv_config, shared_appended, uniform_count
 from ._tree import State, replace
-from ._unpadded_kv import held, kv_batch_size, take_kv_rows, trimmed
+from ._unpadded_kv import held, kv_batch_size, require_one_span, take_kv_rows, trimmed
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -121,12 +121,9 @@ def _(state: ChunkedKV, rows: tuple[int, ...]) -> ChunkedKV:
 @merge_states.register
 def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
     states = [first, *rest]
-    spans = [(s.start_position, s.offset) for s in states]
-    require(
-        len(set(spans)) == 1,
-        ConfigMismatchError,
-        f"merge: ChunkedKV states with (start_position, offset) {spans} cannot be batched: a "
-        "ChunkedKV has no left padding (mlx-lm's ChunkedKVCache is unpadded and its chunk "
+    require_one_span(
+        states,
+        "a ChunkedKV has no left padding (mlx-lm's ChunkedKVCache is unpadded and its chunk "
         "mask is shared by all rows), so every row must be at the same position; merge "
         "states at equal positions",
     )

@@ -4,11 +4,12 @@ BufferedRotatingKVCache and StaticPrefixKVCache hold them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from ._errors import StateError
+from ._errors import ConfigMismatchError, StateError, require
 from ._shared import uniform_count
 from ._tree import replace
 from .kinds import batch_size_of, commit_rows, take_rows
@@ -18,6 +19,18 @@ def held(state: Any) -> int:
     """Buffer entries in use by a window kind holding positions [start_position, offset) at
     indices [0, offset - start_position) (mlx-vlm's `_idx`)."""
     return int(state.offset - state.start_position)
+
+
+def require_one_span(states: Sequence[Any], why: str) -> None:
+    """A merge of a window kind batches rows at one (start_position, offset) only: else a
+    ConfigMismatchError naming the kind, the spans and `why`."""
+    spans = [(s.start_position, s.offset) for s in states]
+    require(
+        len(set(spans)) == 1,
+        ConfigMismatchError,
+        f"merge: {type(states[0]).__name__} states with (start_position, offset) {spans} "
+        f"cannot be batched: {why}",
+    )
 
 
 def kv_batch_size(state: Any) -> int:
