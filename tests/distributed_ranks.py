@@ -17,15 +17,17 @@ import traceback
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
+
+# Run as a script by mlx.launch: this directory is first on sys.path.
+from helpers import ScriptedDrafter  # type: ignore[import-not-found]
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
 from kvstate import distributed
 from kvstate.adapters import wrap
-from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate.speculative import Proposal, Sampler, generate, verify_paths
+from kvstate.adapters.tiny_models import tiny_model
+from kvstate.speculative import Sampler, generate, verify_paths
 from kvstate.testing import assert_states_allclose, assert_states_equal
 
 NEW = 16
@@ -40,32 +42,6 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
 
 
 RANK_STATES: dict[str, list[ks.ModelState]] = {}
-
-
-class ScriptedDrafter:
-    """Proposes each row's true greedy continuation, each token right with probability 1/2
-    (a seeded choice: the same on every rank unless given different seeds)."""
-
-    def __init__(self, truth: list[list[int]], seed: int) -> None:
-        self.truth, self.rng = truth, np.random.default_rng(seed)
-        self.rows, self.emitted = list(range(len(truth))), [1] * len(truth)
-
-    def start(self, prompts: list[list[int]]) -> None:
-        pass
-
-    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        drafts = []
-        for row, at in zip(self.rows, self.emitted, strict=True):
-            true = (self.truth[row] + [0] * (k + 1))[at : at + k]
-            drafts.append([t if self.rng.random() < 0.5 else (t + 1) % VOCAB for t in true])
-        return Proposal(mx.array(drafts, mx.int32), [k] * len(drafts), None)
-
-    def accept(self, fed: mx.array, kept: list[int]) -> None:
-        self.emitted = [e + n for e, n in zip(self.emitted, kept, strict=True)]
-
-    def keep_rows(self, rows: list[int]) -> None:
-        self.rows = [self.rows[i] for i in rows]
-        self.emitted = [self.emitted[i] for i in rows]
 
 
 def build(name: str, group: Any = None) -> Any:
@@ -146,7 +122,7 @@ def check_model(name: str, group: Any, out: str, found: dict[str, Any]) -> None:
     found["forced_logits_max_diff"] = worst
 
     # Speculative decoding, a ragged batch: the rounds (rows, counts, tokens) of this rank.
-    seen = rounds(m, PROMPTS, ScriptedDrafter(truth, seed=1))
+    seen = rounds(m, PROMPTS, ScriptedDrafter(truth, 0.5, seed=1))
     found["speculative_rounds"] = seen
     found["speculative_tokens"] = by_row(seen, len(PROMPTS))
     found["truth"] = [t[:NEW] for t in truth]
@@ -199,7 +175,7 @@ def check_divergence(group: Any, found: dict[str, Any]) -> None:
     truth = [greedy(whole, p, NEW + 8) for p in PROMPTS]
     # Drafters seeded differently per rank: the ranks accept different counts.
     found["generate_different_drafts"] = raises(
-        lambda: rounds(m, PROMPTS, ScriptedDrafter(truth, seed=10 + rank))
+        lambda: rounds(m, PROMPTS, ScriptedDrafter(truth, 0.5, seed=10 + rank))
     )
     # Different sampling seeds per rank: different sampled tokens.
     hot = Sampler(temperature=1.0)

@@ -11,6 +11,8 @@ from mlx_lm.generate import _merge_caches, _right_pad_prompts, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
+from kvstate.adapters.tiny_models import VOCAB
+from kvstate.speculative import Proposal, Sampler
 
 
 def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -124,3 +126,31 @@ def speculate_with_corrupted_oracle(
         out.extend(draft[:ok])
         y = preds[ok]
     return out[:n], accepted
+
+
+class ScriptedDrafter:
+    """Proposes each row's true greedy continuation, each token right with probability `p`
+    (a wrong token otherwise): acceptance 0 (p=0), all (p=1), or random."""
+
+    def __init__(self, truth: list[list[int]], p: float, seed: int = 0) -> None:
+        self.truth, self.p = truth, p
+        self.rng = np.random.default_rng(seed)
+        self.rows = list(range(len(truth)))
+        self.emitted = [1] * len(truth)  # the first token comes from the prefill
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        drafts = []
+        for row, at in zip(self.rows, self.emitted, strict=True):
+            true = (self.truth[row] + [0] * (k + 1))[at : at + k]
+            drafts.append([t if self.rng.random() < self.p else (t + 1) % VOCAB for t in true])
+        return Proposal(mx.array(drafts, mx.int32), [k] * len(drafts), None)
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        self.emitted = [e + n for e, n in zip(self.emitted, kept, strict=True)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.emitted = [self.emitted[i] for i in rows]

@@ -23,7 +23,8 @@ import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import generate
-from tests.test_speculative import PROMPTS, ScriptedDrafter
+from tests.helpers import ScriptedDrafter
+from tests.test_speculative import PROMPTS
 
 NEW = 64
 HEAD_DIM = 32  # one group of 32 per row: no pad channels, so K4/V4 is mlx-lm's exact form

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
@@ -21,39 +20,12 @@ from kvstate.speculative import ModelDrafter, Proposal, Sampler, generate
 from kvstate.speculative import _generate as generate_module
 from kvstate.speculative import _model_drafter as drafter_module
 from kvstate.speculative._replay import commit_may_be_refused
-from tests.test_vlm_pooling_models import PROMPT, VOCAB, tiny_deepseek_v4, tiny_glm5_next
+from tests.helpers import ScriptedDrafter
+from tests.test_vlm_pooling_models import PROMPT, tiny_deepseek_v4, tiny_glm5_next
 from tests.vlm_helpers import _scaled, vlm_generate
 
 NEW = 36
 RAGGED = [PROMPT, PROMPT[2:7], [8, 40, 2, 19, 51, 6, 30]]
-
-
-class PartlyWrongDrafter:
-    """Proposes each row's true greedy continuation, each token right with probability `p`
-    (another token of the vocabulary otherwise)."""
-
-    def __init__(self, truth: list[list[int]], p: float, seed: int) -> None:
-        self.truth, self.p = truth, p
-        self.rng = np.random.default_rng(seed)
-        self.rows = list(range(len(truth)))
-        self.emitted = [1] * len(truth)  # the first token comes from the prefill
-
-    def start(self, prompts: list[list[int]]) -> None:
-        pass
-
-    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        drafts = []
-        for row, at in zip(self.rows, self.emitted, strict=True):
-            true = (self.truth[row] + [0] * (k + 1))[at : at + k]
-            drafts.append([t if self.rng.random() < self.p else (t + 1) % VOCAB for t in true])
-        return Proposal(mx.array(drafts, mx.int32), [k] * len(drafts), None)
-
-    def accept(self, fed: mx.array, kept: list[int]) -> None:
-        self.emitted = [e + n for e, n in zip(self.emitted, kept, strict=True)]
-
-    def keep_rows(self, rows: list[int]) -> None:
-        self.rows = [self.rows[i] for i in rows]
-        self.emitted = [self.emitted[i] for i in rows]
 
 
 class Counted:
@@ -88,7 +60,7 @@ def test_batch_one_with_partly_wrong_drafts_equals_mlx_vlm_greedy(model, k, monk
     ref, _ = vlm_generate(model, PROMPT, NEW)
     assert len(set(ref)) >= 8, "a degenerate oracle: the weights should make tokens vary"
     refused = Counted(monkeypatch, generate_module)
-    out = decode(wrap(model), [PROMPT], PartlyWrongDrafter([ref], 0.6, seed=k), k)
+    out = decode(wrap(model), [PROMPT], ScriptedDrafter([ref], 0.6, seed=k), k)
     assert out == [ref]
     assert refused.calls, "no commit was refused: the fallback went untested"
 
@@ -100,7 +72,7 @@ def test_a_ragged_batch_with_partly_wrong_drafts_equals_mlx_vlm_greedy_per_row(m
     model = tiny_glm5_next()
     refs = [vlm_generate(model, p, NEW)[0] for p in RAGGED]
     refused = Counted(monkeypatch, generate_module)
-    out = decode(wrap(model), RAGGED, PartlyWrongDrafter(refs, 0.6, seed=7), 4)
+    out = decode(wrap(model), RAGGED, ScriptedDrafter(refs, 0.6, seed=7), 4)
     assert out == refs
     assert any(len(set(kept)) > 1 for kept in refused.calls), refused.calls
 
@@ -113,7 +85,7 @@ def test_the_decision_does_not_rest_on_the_prompt(model, monkeypatch):
     assert ks.capabilities(m(mx.array([prompt]), m.init_state())[1]).can_roll_back
     ref, _ = vlm_generate(model, prompt, NEW)
     refused = Counted(monkeypatch, generate_module)
-    assert decode(m, [prompt], PartlyWrongDrafter([ref], 0.5, seed=1), 4) == [ref]
+    assert decode(m, [prompt], ScriptedDrafter([ref], 0.5, seed=1), 4) == [ref]
     assert refused.calls
 
 
