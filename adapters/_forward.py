@@ -2,10 +2,10 @@
 
 state -> fresh mlx-lm cache objects (O(1)) -> the model -> a new state, each layer stamped
 with the tokens it appended (`from_cache(cache, width)`, and `record_forward` for kinds that
-have their own). Options: `lengths` for a right-padded prompt
-batch (mlx-lm's prepare / finalize around the call), `capture` for a verify forward that also
-returns recurrent checkpoints (see `_capture`), `projections` for the final hidden states
-(see `_hidden`).
+have their own). Options: `lengths` for a right-padded prompt batch (mlx-lm's prepare /
+finalize around the call), `capture` for a verify forward that also returns recurrent
+checkpoints (see `_capture`), `projections` for the final hidden states (see `_hidden`),
+`caches` for cache objects that already hold the state (see `_kept`).
 """
 
 from __future__ import annotations
