@@ -20,8 +20,8 @@ import mlx.core as mx
 from ._errors import StateError
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, replace
-from ._unpadded_kv import held, register_unpadded_kv, require_one_span
-from ._validation import kv_pair_problems, static_int, typed_statics
+from ._unpadded_kv import held, register_unpadded_kv, require_one_span, window_span_problems
+from ._validation import kv_pair_problems, typed_statics
 from .kinds import (
     Capabilities,
     config_of,
@@ -59,11 +59,7 @@ def _(state: BufferedWindowKV, values: bool) -> list[str]:
     found += kv_pair_problems(state.keys, state.values)
     if found:
         return found
-    capacity = 0 if state.keys is None else int(state.keys.shape[2])
-    found += static_int("start_position", state.start_position, 0, state.offset)
-    if not found:
-        found += static_int("offset - start_position", held(state), 0, capacity)
-        found += static_int("appended", state.appended, 0, held(state))
+    found += window_span_problems(state)
     return found
 
 

@@ -17,8 +17,15 @@ import mlx.core as mx
 from ._errors import StateError
 from ._shared import array_kv_config, shared_appended, uniform_count
 from ._tree import State, replace
-from ._unpadded_kv import held, kv_batch_size, require_one_span, take_kv_rows, trimmed
-from ._validation import kv_pair_problems, static_int, typed_statics
+from ._unpadded_kv import (
+    held,
+    kv_batch_size,
+    require_one_span,
+    take_kv_rows,
+    trimmed,
+    window_span_problems,
+)
+from ._validation import kv_pair_problems, typed_statics
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -61,11 +68,7 @@ def _(state: ChunkedKV, values: bool) -> list[str]:
     found += kv_pair_problems(state.keys, state.values)
     if found:
         return found
-    capacity = 0 if state.keys is None else int(state.keys.shape[2])
-    found += static_int("start_position", state.start_position, 0, state.offset)
-    if not found:
-        found += static_int("offset - start_position", held(state), 0, capacity)
-        found += static_int("appended", state.appended, 0, held(state))
+    found += window_span_problems(state)
     prev = state.previous
     if prev is not None:
         if not isinstance(prev, ChunkedKV):

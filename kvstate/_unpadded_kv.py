@@ -12,6 +12,7 @@ import mlx.core as mx
 from ._errors import ConfigMismatchError, StateError, require
 from ._shared import uniform_count
 from ._tree import replace
+from ._validation import static_int
 from .kinds import batch_size_of, commit_rows, take_rows
 
 
@@ -19,6 +20,17 @@ def held(state: Any) -> int:
     """Buffer entries in use by a window kind holding positions [start_position, offset) at
     indices [0, offset - start_position) (mlx-vlm's `_idx`)."""
     return int(state.offset - state.start_position)
+
+
+def window_span_problems(state: Any) -> list[str]:
+    """A window kind's positions against its buffer: start_position <= offset, the held
+    span fits the capacity, and the pending forward fits the held span."""
+    capacity = 0 if state.keys is None else int(state.keys.shape[2])
+    found = static_int("start_position", state.start_position, 0, state.offset)
+    if not found:
+        found += static_int("offset - start_position", held(state), 0, capacity)
+        found += static_int("appended", state.appended, 0, held(state))
+    return found
 
 
 def require_one_span(states: Sequence[Any], why: str) -> None:

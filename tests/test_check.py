@@ -60,6 +60,10 @@ def test_keys_values_and_padding_of_different_batches_are_all_reported():
         (ks.ChunkedKV(K, K, chunk_size=4, offset=2, start_position=3), "start_position: 3"),
         (ks.ChunkedKV(K, K, chunk_size=4, offset=20), r"offset - start_position: 20"),
         (ks.ChunkedKV(chunk_size=0), "chunk_size: 0 is out of range"),
+        (ks.ChunkedKV(K, K, chunk_size=4, offset=5, start_position=2, appended=4), "appended: 4"),
+        (ks.BufferedWindowKV(K, K, max_size=8, offset=2, start_position=3), "start_position: 3"),
+        (ks.BufferedWindowKV(K, K, max_size=8, offset=9), r"offset - start_position: 9"),
+        (ks.BufferedWindowKV(K, K, max_size=8, offset=3, appended=4), "appended: 4"),
         (
             ks.QuantizedKV(
                 tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), bits=4)),  # type: ignore[arg-type]
