@@ -57,9 +57,7 @@ def run(
     instead of converting it.
     """
     if caches is None:
-        caches = [convert(layer) for layer in state.layers]
-        if needs_routing(model, caches):  # a QuantizedKV that only kvstate's attention reads
-            route_attention(model)
+        caches = open_caches(model, state, convert)
     width = tokens.shape[1]
     padded = lengths is not None and any(n != width for n in lengths)
     if padded:
@@ -80,13 +78,7 @@ def run(
     if padded:
         for c in caches:
             c.finalize()
-    # Read back each layer, stamped with the `width` tokens it appended (this runs every
-    # decode step: only kinds with their own `record_forward` pay for a second dispatch).
-    layers = []
-    for c, before in zip(caches, state.layers, strict=True):
-        layer = from_cache(c, width)
-        layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
-    new = ModelState(tuple(layers))
+    new = read_back(caches, state, width)
     if not capture:
         return Forward(logits, new, None, hidden, caches)
     if records is not None and all(r.complete() for r in records):
@@ -96,6 +88,28 @@ def run(
         )
         return Forward(logits, new, checkpoints, hidden)
     return Forward(logits, new, _replay(model, tokens, state, new, convert), hidden)
+
+
+def open_caches(
+    model: nn.Module, state: ModelState, convert: Callable[[Any], Any] = to_cache
+) -> list[Any]:
+    """New cache objects holding `state` (`convert` per layer), with kvstate's attention
+    routed in where a QuantizedKV needs it."""
+    caches = [convert(layer) for layer in state.layers]
+    if needs_routing(model, caches):  # a QuantizedKV that only kvstate's attention reads
+        route_attention(model)
+    return caches
+
+
+def read_back(caches: list[Any], state: ModelState, width: int) -> ModelState:
+    """The state `caches` hold after a forward of `width` tokens from `state`: each layer
+    stamped with the tokens it appended (this runs every decode step: only kinds with their
+    own `record_forward` pay for a second dispatch)."""
+    layers = []
+    for c, before in zip(caches, state.layers, strict=True):
+        layer = from_cache(c, width)
+        layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
+    return ModelState(tuple(layers))
 
 
 _STAMPS: dict[type, bool] = {}
