@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -24,13 +25,35 @@ from kvstate.adapters import _wrap, wrap
 from kvstate.adapters._convert import from_cache
 
 
+def guard_by_ops(ids: mx.array, vocab: int) -> tuple[mx.array, mx.array]:
+    """The id guard as plain ops (prebuilt kernels) instead of one compiled kernel."""
+    wide = ids.view(mx.uint32) if ids.dtype == mx.int32 else ids.astype(mx.uint32)
+    bad = wide >= vocab
+    return mx.where(bad, 0, ids), bad
+
+
+_NAN = mx.array(float("nan"), mx.bfloat16)
+
+
+def poison_by_ops(bad: mx.array, logits: mx.array) -> mx.array:
+    return mx.where(bad[..., None], _NAN.astype(logits.dtype), logits)
+
+
 class GuardedRawDecoder(RawDecoder):
     """Raw mlx-lm plus wrap's id guard and NaN poisoning (its two extra kernels)."""
 
+    guard, poison = staticmethod(_wrap._guarded), staticmethod(_wrap._nan_where)
+
     def step(self, y: mx.array) -> mx.array:
-        ids, bad = _wrap._guarded(y[:, None], self.vocab)
-        logits = _wrap._nan_where(bad, self.model(ids, cache=self.caches))
+        ids, bad = self.guard(y[:, None], self.vocab)
+        logits = self.poison(bad, self.model(ids, cache=self.caches))
         return logits[:, -1].argmax(-1)
+
+
+class OpsGuardedRawDecoder(GuardedRawDecoder):
+    """The same guard and poisoning as plain ops."""
+
+    guard, poison = staticmethod(guard_by_ops), staticmethod(poison_by_ops)
 
 
 class ReadBackRawDecoder(RawDecoder):
@@ -50,6 +73,31 @@ class UnguardedWrapDecoder(WrapDecoder):
         super().__init__(m, prompt)
 
 
+class OpsGuardWrapDecoder(WrapDecoder):
+    """wrap with the guard and poisoning as plain ops (patched into this wrapped model only
+    for its own steps)."""
+
+    def step(self, y: mx.array) -> mx.array:
+        saved = _wrap._guarded, _wrap._nan_where
+        _wrap._guarded, _wrap._nan_where = guard_by_ops, poison_by_ops
+        try:
+            return super().step(y)
+        finally:
+            _wrap._guarded, _wrap._nan_where = saved
+
+
+def build_us(decoder: Any, y: mx.array, n: int = 30) -> float:
+    """Median host microseconds to build one step's graph (nothing evaluated; the steps'
+    cache writes are undone by evaluating and dropping them, so the context stays put)."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        out = decoder.step(y)
+        times.append(time.perf_counter() - start)
+        mx.eval(out)
+    return statistics.median(times) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
@@ -60,15 +108,18 @@ def main() -> None:
     for name in args.models:
         model = build(name, args.small)
         prompt = random_ids(model, (1, context), 1)
-        guarded = GuardedRawDecoder(model, prompt)
-        guarded.vocab = mx.array(model.args.vocab_size, mx.int32)
+        vocab = int(model.args.vocab_size)
         decoders: dict[str, Any] = {
             "raw mlx-lm": RawDecoder(model, prompt),
-            "raw + id guard + NaN poisoning": guarded,
+            "raw + id guard + NaN poisoning (compiled)": GuardedRawDecoder(model, prompt),
+            "raw + id guard + NaN poisoning (plain ops)": OpsGuardedRawDecoder(model, prompt),
             "raw + read-back into a state": ReadBackRawDecoder(model, prompt),
             "wrap": WrapDecoder(wrap(model), prompt),
+            "wrap, guard as plain ops": OpsGuardWrapDecoder(wrap(model), prompt),
             "wrap, ids trusted (no guard)": UnguardedWrapDecoder(wrap(model), prompt),
         }
+        for d in decoders.values():
+            d.vocab = vocab
         for d in decoders.values():
             decode_block(d, 4)  # warm-up
         names = list(decoders)
@@ -85,6 +136,10 @@ def main() -> None:
         for n in names[1:]:
             q1, med, q3 = statistics.quantiles(ratios[n], n=4)
             say(f"| {n} | {med:.3f} [{q1:.3f}, {q3:.3f}] |")
+        say("\n| contender | host us to build one step (median of 30) |")
+        say("|---|---|")
+        for n in names:
+            say(f"| {n} | {build_us(decoders[n], decoders[n].y):.0f} |")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class State:
     __kvstate_children__: ClassVar[tuple[str, ...]] = ()
     __kvstate_statics__: ClassVar[tuple[str, ...]] = ()
     __kvstate_fields__: ClassVar[tuple[str, ...]] = ()
+    __kvstate_field_set__: ClassVar[frozenset[str]] = frozenset()
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -48,6 +49,7 @@ def frozen_state(cls: type[T]) -> type[T]:
     made.__kvstate_children__ = tuple(f.name for f in fields if not f.metadata.get(_STATIC))  # type: ignore[attr-defined]
     made.__kvstate_statics__ = tuple(f.name for f in fields if f.metadata.get(_STATIC))  # type: ignore[attr-defined]
     made.__kvstate_fields__ = tuple(f.name for f in fields)  # type: ignore[attr-defined]
+    made.__kvstate_field_set__ = frozenset(made.__kvstate_fields__)  # type: ignore[attr-defined]
     return made
 
 
@@ -56,9 +58,10 @@ def replace(state: T, **changes: Any) -> T:
     introspection (this runs once per layer per decode step)."""
     cls = type(state)
     names = cls.__kvstate_fields__  # type: ignore[attr-defined]
-    if not changes.keys() <= set(names):
+    if not changes.keys() <= cls.__kvstate_field_set__:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes.keys() - set(names))}")
-    return cls(*[changes[n] if n in changes else getattr(state, n) for n in names])
+    get = changes.get
+    return cls(*[get(n, getattr(state, n)) for n in names])
 
 
 def host_ints(a: mx.array) -> list[int]:

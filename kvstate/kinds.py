@@ -26,11 +26,11 @@ a KV kind), `config_mismatches`, `shared_appended` (the pending forward a merge 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import singledispatch
 from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import attrs
 
+from ._dispatch import generic
 from ._errors import CommitError, StateError, require
 from ._ints import as_int
 from ._shared import (
@@ -193,13 +193,13 @@ def _unknown(state: Any) -> StateError:
     )
 
 
-@singledispatch
+@generic
 def batch_size_of(state: Any) -> int:
     """Rows of a state (1 for an empty single-sequence state)."""
     raise _unknown(state)
 
 
-@singledispatch
+@generic
 def appended_of(state: Any) -> int:
     """Tokens the last forward appended (default: the state's `appended` static)."""
     if not isinstance(state, State):
@@ -207,59 +207,59 @@ def appended_of(state: Any) -> int:
     return int(state.appended)  # type: ignore[attr-defined]
 
 
-@singledispatch
+@generic
 def commit_rows(state: Any, counts: tuple[int, ...], checkpoints: Any) -> Any:
     """Keep the first counts[b] tokens of the last forward in row b (0 <= counts[b] <= appended)."""
     raise _unknown(state)
 
 
-@singledispatch
+@generic
 def take_rows(state: Any, rows: tuple[int, ...]) -> Any:
     """Gather rows (indices already checked), keeping the layout (padding) and any pending
     forward (`appended` and its rollback record)."""
     raise _unknown(state)
 
 
-@singledispatch
+@generic
 def filter_rows(state: Any, rows: tuple[int, ...]) -> Any:
     """Gather rows, then drop the left padding every kept row shares (mlx-lm's `filter`)."""
     return take_rows(state, rows)
 
 
-@singledispatch
+@generic
 def merge_states(first: Any, rest: Sequence[Any]) -> Any:
     """Batch `[first, *rest]` (one kind and config, already checked) with left padding. The
     pending forward is kept when every input has the same `appended`, else dropped."""
     raise _unknown(first)
 
 
-@singledispatch
+@generic
 def extend_states(a: Any, b: Any) -> Any:
     """Rows of `a` then rows of `b`, re-aligned (pending forward: as `merge_states`)."""
     return merge_states(a, [b])
 
 
-@singledispatch
+@generic
 def extract_row(state: Any, row: int) -> Any:
     """Row `row` as an unpadded single-sequence state, keeping any pending forward."""
     raise _unknown(state)
 
 
-@singledispatch
+@generic
 def config_of(state: Any) -> dict[str, Any]:
     """What must agree for states to be merged, by name: kind, statics, dtypes, head shapes.
     None (an empty state's unknown dtype or head dims) matches anything."""
     raise _unknown(state)
 
 
-@singledispatch
+@generic
 def fit_config_of(state: Any) -> dict[str, Any]:
     """What must agree for a state to fit a model's layer (default: `config_of`). A kind
     that can stand in for another (QuantizedKV for DenseKV) answers with that kind's."""
     return config_of(state)
 
 
-@singledispatch
+@generic
 def problems(state: Any, values: bool) -> list[str]:
     """Every inconsistency of one state, as messages naming its fields (shapes disagree,
     a length past the capacity, a count out of range, a float where ints belong...).
@@ -267,7 +267,7 @@ def problems(state: Any, values: bool) -> list[str]:
     raise _unknown(state)
 
 
-@singledispatch
+@generic
 def record_forward(state: Any, before: Any, n: int) -> Any:
     """The state a forward of `n` tokens produced from `before`, stamped with `appended=n`.
 
@@ -277,7 +277,7 @@ def record_forward(state: Any, before: Any, n: int) -> Any:
     return state if state.appended == n else replace(state, appended=n)
 
 
-@singledispatch
+@generic
 def capabilities_of(state: Any) -> Capabilities:
     """What this state can do (default: what its kind declared)."""
     if not isinstance(state, State):
