@@ -58,7 +58,7 @@ def replace(state: T, **changes: Any) -> T:
     introspection (this runs once per layer per decode step)."""
     cls = type(state)
     names = cls.__kvstate_fields__  # type: ignore[attr-defined]
-    if not changes.keys() <= cls.__kvstate_field_set__:
+    if not changes.keys() <= cls.__kvstate_field_set__:  # type: ignore[attr-defined]
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes.keys() - set(names))}")
     get = changes.get
     return cls(*[get(n, getattr(state, n)) for n in names])
