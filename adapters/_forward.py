@@ -78,7 +78,7 @@ def run(
     if padded:
         for c in caches:
             c.finalize()
-    new = read_back(caches, state, width)
+    new = read_back(caches, state.layers, width)
     if not capture:
         return Forward(logits, new, None, hidden, caches)
     if records is not None and all(r.complete() for r in records):
@@ -101,12 +101,12 @@ def open_caches(
     return caches
 
 
-def read_back(caches: list[Any], state: ModelState, width: int) -> ModelState:
-    """The state `caches` hold after a forward of `width` tokens from `state`: each layer
-    stamped with the tokens it appended (this runs every decode step: only kinds with their
-    own `record_forward` pay for a second dispatch)."""
+def read_back(caches: list[Any], befores: Sequence[Any], width: int) -> ModelState:
+    """The state `caches` hold after a forward of `width` tokens from the layers `befores`:
+    each layer stamped with the tokens it appended (this runs every decode step: only kinds
+    with their own `record_forward` pay for a second dispatch, and only they read `befores`)."""
     layers = []
-    for c, before in zip(caches, state.layers, strict=True):
+    for c, before in zip(caches, befores, strict=True):
         layer = from_cache(c, width)
         layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
     return ModelState(tuple(layers))

@@ -25,6 +25,7 @@ from kvstate.distributed import with_placement
 from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 
 from ._capture import Mixer, known_mixers
+from ._chain import chain as _chain
 from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
 from ._forward import run
@@ -147,6 +148,11 @@ class WrappedModel:
         logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
         self._kept.keep(new, out.caches)
         return logits, new
+
+    # `logits, picks, state = m.chain(tokens, state, steps, pick)`: a draft model's steps on
+    # its own caches, read back once (see `_chain.chain`). A plain function, not a method
+    # that calls one: a wrapper's frame would hold the state while the chain runs.
+    chain = _chain
 
     def _with_hidden(
         self,

@@ -90,31 +90,42 @@ class ModelDrafter:
         prefix = self.pending
         if prefix is not None:
             y = mx.concatenate([prefix, y], axis=1)
-        state, tokens, probs = self.state, [], []
-        before = state
-        if self._trims and len(last) == 1:
-            # Nothing of batch 1 rolls back to the state before the proposal (a trim or the
-            # proposing state covers every count): holding it would make the first draft
-            # step copy every KV buffer instead of writing into it (copy on write).
-            self.state = before = None
-        for _ in range(k):
-            logits, state = self.draft(y, state)
+        tokens: list[mx.array] = []
+        probs: list[mx.array] = []
+
+        def pick(logits: mx.array) -> mx.array:  # (B, vocab), a step's last position
             if sampler.greedy:  # sampler.sample(sampler.probs(l)) is l.argmax(-1), less work
-                if logits.shape[1] != 1:  # the first step also fed the pending draft
-                    logits = logits[:, -1:]
-                y = logits.argmax(-1).astype(mx.int32)  # (B, 1)
+                drafted = logits.argmax(-1, keepdims=True).astype(mx.int32)  # (B, 1)
             else:
-                q = sampler.probs(logits[:, -1])
+                q = sampler.probs(logits)
                 self.key, key = mx.random.split(self.key)
-                y = sampler.sample(q, key)[:, None]
+                drafted = sampler.sample(q, key)[:, None]
                 probs.append(q[:, None])
             if self.pipelined:
-                mx.async_eval(y)
-            tokens.append(y)
-        self._proposal = _Proposed(before, state, y, prefix, k)
-        drafted = tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)
+                mx.async_eval(drafted)
+            tokens.append(drafted)
+            return drafted
+
+        # Nothing of batch 1 rolls back to the state before the proposal (a trim or the
+        # proposing state covers every count): holding it would make the first draft step
+        # copy every KV buffer instead of writing into it (copy on write), so it is handed
+        # over to the draft forwards.
+        handed_over = bool(self._trims) and len(last) == 1
+        before = None if handed_over else self.state
+        chain = getattr(self.draft, "chain", None)  # a wrapped model's steps on its caches
+        if chain is not None:
+            _, drafted, after = chain(y, self._take_state() if handed_over else self.state, k, pick)
+        else:
+            drafted, after = _drafted_by_calls(
+                self.draft, y, self._take_state() if handed_over else self.state, k, pick
+            )
+        self._proposal = _Proposed(before, after, tokens[-1], prefix, k)
         distributions = mx.concatenate(probs, axis=1) if probs else None
         return Proposal(drafted, [k] * len(last), distributions)
+
+    def _take_state(self) -> Any:
+        state, self.state = self.state, None
+        return state
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         proposal, self._proposal, self.pending = self._proposal, None, None
@@ -149,6 +160,16 @@ class ModelDrafter:
         self.state = filter(self.state, rows)
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]
+
+
+def _drafted_by_calls(draft: Any, y: mx.array, state: Any, k: int, pick: Any) -> tuple[Any, Any]:
+    """A draft model without `chain`: k wrapped calls, each fed the last one's pick."""
+    tokens = []
+    for _ in range(k):
+        logits, state = draft(y, state)
+        y = pick(logits[:, -1])
+        tokens.append(y)
+    return (tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)), state
 
 
 def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:

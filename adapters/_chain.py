@@ -1,0 +1,127 @@
+"""`WrappedModel.chain`: one forward, then one-token forwards each fed a pick of the last
+logits, on the model's own cache objects, read back into a state once.
+
+What a drafter does with a draft model: `m(tokens, state)`, then `m(pick(logits), state)`
+k - 1 times. Each wrapped call pays its host work (fit check, id check, reading every layer
+back into a new state, vouching, keeping the caches), where mlx-lm's speculative loop just
+calls the model on its caches. The chain pays it once per chain; its result (logits, picks
+and state) is the result of that sequence of calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from kvstate import ModelState, ShapeError, TokenError
+from kvstate.kinds import as_int
+
+from . import _buckets as buckets
+from ._forward import _own_stamp, open_caches, read_back
+
+if TYPE_CHECKING:
+    from ._wrap import WrappedModel
+
+Pick = Callable[[mx.array], mx.array]
+
+
+def chain(
+    m: WrappedModel, tokens: Any, state: ModelState, steps: int, pick: Pick
+) -> tuple[mx.array, mx.array, ModelState]:
+    """Run `tokens` (B, T) from `state`, then `steps - 1` one-token forwards, each fed
+    `pick(last-position logits (B, vocab) of the previous forward)`; pick once more after
+    the last forward.
+
+    `pick` returns (B,) or (B, 1) integer ids (it may sample, `mx.async_eval` its ids, ...).
+    Returns `(logits (B, steps, vocab) of each forward's last position, picks (B, steps),
+    state)`, the state exactly as `m(tokens, state)` and the `m(pick, state)` calls give it
+    (its last forward stamped, vouched for, its caches kept for the next plain forward).
+    As in `m(...)`: an id outside the vocabulary (in `tokens`' last column, or a pick)
+    gives NaN logits for the forward it was fed to, and the row's state must be discarded.
+    `pick` sees the logits before that poisoning.
+
+    Only `state` and the model's cache objects hold the state: a caller that hands its last
+    reference over (`m.chain(t, self.take(), ...)`) lets MLX update the buffers in place.
+    """
+    from ._wrap import _guarded, _nan_where  # _wrap imports this module
+
+    n = as_int(steps, "chain: steps", ShapeError)
+    if n < 1:
+        raise ShapeError(f"chain: steps must be an int >= 1; got {steps!r}")
+    if m.placement is not None or type(m.model).__module__.startswith("mlx_vlm."):
+        # A split model's forwards are evaluated one by one (their collectives in order),
+        # an mlx-vlm model runs through its own wrap: the calls themselves are exact.
+        return _by_calls(m, tokens, state, n, pick)
+    m._check_fits(state)
+    ids, bad = m._tokens(tokens, state)
+    rows, width = ids.shape
+    caches = m._kept.take(state)
+    if caches is None:
+        caches = open_caches(m.model, state)
+    # Only kinds with their own `record_forward` read the layers before the forward: holding
+    # no other layer leaves the state's buffers to the caches, updated in place by MLX.
+    # After one-token forwards these are the layers before the chain, not before its last
+    # forward: mlx-lm's kinds that have one (windows, cache lists) record nothing of it for
+    # a one-token forward but its structure (mlx-vlm's pooled caches do: they go by calls).
+    befores = [layer if _own_stamp(layer) else None for layer in state.layers]
+    del state
+    with buckets.bucketing(caches) if buckets.enabled(width) else nullcontext():
+        logits = m.model(ids, cache=caches)
+    vocab = m.vocab_size
+    lasts, picks, outside = [], [], []
+    for step in range(n):
+        last = logits[:, -1]
+        lasts.append(last)
+        y = _column(pick(last), rows)
+        picks.append(y)
+        if step + 1 < n:
+            fed, bad_pick = _guarded(y, vocab)  # the pick is the caller's: never unchecked
+            outside.append(bad_pick)
+            logits = m.model(fed, cache=caches)
+    new = m._ours(read_back(caches, befores, width if n == 1 else 1))
+    m._kept.keep(new, caches)
+    stacked = mx.stack(lasts, axis=1)
+    if bad is not None or outside:  # one where for the chain: (B, n) ids each forward was fed
+        first = mx.zeros((rows, 1), mx.bool_) if bad is None else bad[:, -1:]
+        stacked = _nan_where(mx.concatenate([first, *outside], axis=1), stacked)
+    return stacked, _joined(picks), new
+
+
+def _column(y: Any, rows: int) -> mx.array:
+    """A pick as (B, 1) ids, refused unless it is B integer ids."""
+    if type(y) is mx.array and y.dtype in _INT_DTYPES:
+        if y.shape == (rows, 1):
+            return y
+        if y.shape == (rows,):
+            return y[:, None]
+    shape = getattr(y, "shape", None)
+    raise TokenError(
+        f"chain: pick must return an mx.array of {rows} integer ids, shape ({rows},) or "
+        f"({rows}, 1); got {type(y).__name__} {getattr(y, 'dtype', '')} of shape {shape}"
+    )
+
+
+_INT_DTYPES = frozenset({mx.int32, mx.int64, mx.uint32, mx.int16, mx.uint16, mx.int8, mx.uint8})
+
+
+def _joined(picks: list[mx.array]) -> mx.array:
+    return picks[0] if len(picks) == 1 else mx.concatenate(picks, axis=1)
+
+
+def _by_calls(
+    m: WrappedModel, tokens: Any, state: ModelState, n: int, pick: Pick
+) -> tuple[mx.array, mx.array, ModelState]:
+    """The chain as the sequence of wrapped calls it stands for."""
+    logits, state = m(tokens, state)
+    rows = logits.shape[0]
+    lasts, picks = [], []
+    for step in range(n):
+        last = logits[:, -1]
+        lasts.append(last)
+        picks.append(_column(pick(last), rows))
+        if step + 1 < n:
+            logits, state = m(picks[-1], state)
+    return mx.stack(lasts, axis=1), _joined(picks), state
