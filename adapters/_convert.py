@@ -33,12 +33,12 @@ def fresh(a: Any) -> Any:
 
 
 FromCache = Callable[[Any, int], Any]
-_FROM: dict[type, FromCache] = {}
+CONVERTERS: dict[type, FromCache] = {}  # cache class -> (cache, appended) -> layer state
 
 
 def register_from(cache_cls: type) -> Callable[[FromCache], FromCache]:
     def decorate(fn: FromCache) -> FromCache:
-        _FROM[cache_cls] = fn
+        CONVERTERS[cache_cls] = fn
         return fn
 
     return decorate
@@ -60,9 +60,15 @@ REFUSED: dict[type, str] = {}
 def from_cache(cache: Any, appended: int = 0) -> Any:
     """One mlx-lm cache object -> a layer state holding fresh arrays, stamped with the
     tokens its last forward `appended` (see `kvstate.kinds.record_forward`)."""
-    convert = _FROM.get(type(cache))
+    return converter_of(cache)(cache, appended)
+
+
+def converter_of(cache: Any) -> FromCache:
+    """The registered cache -> state converter of `cache`'s class (`CONVERTERS`), or why
+    there is none."""
+    convert = CONVERTERS.get(type(cache))
     if convert is None:
-        convert = _FROM.get(type(cache)) if _registered_vlm(cache) else None
+        convert = CONVERTERS.get(type(cache)) if _registered_vlm(cache) else None
     if convert is None:
         reason = REFUSED.get(type(cache))
         because = f" ({reason})" if reason else ""
@@ -70,7 +76,7 @@ def from_cache(cache: Any, appended: int = 0) -> Any:
             f"from_mlx_lm: no state for cache class {type(cache).__module__}."
             f"{type(cache).__qualname__}{because}; supported: {supported()}"
         )
-    return convert(cache, appended)
+    return convert
 
 
 def _registered_vlm(cache: Any) -> bool:
@@ -86,7 +92,7 @@ def _registered_vlm(cache: Any) -> bool:
 def supported() -> str:
     """The cache classes with a registered converter, by module."""
     by_module: dict[str, list[str]] = {}
-    for c in _FROM:
+    for c in CONVERTERS:
         by_module.setdefault(c.__module__, []).append(c.__qualname__)
     return "; ".join(f"{m}: {', '.join(sorted(names))}" for m, names in sorted(by_module.items()))
 

@@ -11,7 +11,11 @@ from ._convert import fresh, register_from, to_cache
 
 @register_from(KVCache)
 def _(cache: KVCache, appended: int = 0) -> DenseKV:
-    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended)
+    keys, values = cache.keys, cache.values
+    if keys is None or values is None:  # before the first forward
+        return DenseKV(None, None, None, cache.offset, appended)
+    # keys[...] is `fresh` inlined: this runs for every layer of every decode step.
+    return DenseKV(keys[...], values[...], None, cache.offset, appended)
 
 
 @register_from(ConcatenateKVCache)

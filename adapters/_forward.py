@@ -22,7 +22,8 @@ from kvstate.kinds import Composite, record_forward
 
 from . import _buckets as buckets
 from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
-from ._convert import from_cache, to_cache
+from ._convert import CONVERTERS as _CONVERTERS
+from ._convert import converter_of, to_cache
 from ._hidden import Projection, hidden_states, recording_hidden
 from ._quantized_attention import needs_routing, route_attention
 
@@ -107,7 +108,7 @@ def read_back(caches: list[Any], befores: Sequence[Any], width: int) -> ModelSta
     with their own `record_forward` pay for a second dispatch, and only they read `befores`)."""
     layers = []
     for c, before in zip(caches, befores, strict=True):
-        layer = from_cache(c, width)
+        layer = (_CONVERTERS.get(c.__class__) or converter_of(c))(c, width)
         layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
     return ModelState(tuple(layers))
 

@@ -50,7 +50,7 @@ from kvstate import (
 )
 
 from . import _capture
-from ._convert import _FROM, fresh, register_from, to_cache
+from ._convert import CONVERTERS, fresh, register_from, to_cache
 from ._rotating import fixed_make_mask
 
 # ---------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ for _name in (
     "ChunkedKVCache",
     "QuantizedKVCache",
 ):
-    _FROM[getattr(vlm, _name)] = _FROM[getattr(lm, _name)]
+    CONVERTERS[getattr(vlm, _name)] = CONVERTERS[getattr(lm, _name)]
 
 
 def _triple(q: Any) -> Any:

@@ -41,7 +41,7 @@ from kvstate import (
     RotatingKV,
 )
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate.adapters._convert import _FROM, to_cache
+from kvstate.adapters._convert import CONVERTERS, to_cache
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.kinds import appended_of, batch_size_of
 
@@ -493,7 +493,7 @@ MLX_LM_CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
 def adapter_missing(caches: list[Any]) -> str | None:
     """Which mlx-lm cache classes the adapters (written in parallel) cannot convert yet."""
     flat = [x for c in caches for x in (c.caches if isinstance(c, CacheList) else [c])]
-    missing = sorted({type(c).__name__ for c in flat if type(c) not in _FROM})
+    missing = sorted({type(c).__name__ for c in flat if type(c) not in CONVERTERS})
     for c in flat:
         # mlx-lm's from_state skips __init__, so a loaded BatchRotatingKVCache lacks the
         # `_lengths = None` its constructor sets (mlx-lm's own decode would trip on it too).

@@ -12,7 +12,7 @@ import pytest
 
 import kvstate as ks
 from kvstate import kinds
-from kvstate.adapters._convert import _FROM, to_cache
+from kvstate.adapters._convert import CONVERTERS, to_cache
 from kvstate.testing import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def test_every_layer_kind_has_a_strategy_and_an_adapter(kind):
 
     assert kind in STRATEGIES
     assert kinds.implements(kind, to_cache), f"no to_mlx_lm for {kind.__name__}"
-    assert any(_converts_to(f, kind) for f in _FROM.values()), f"no from_mlx_lm for {kind}"
+    assert any(_converts_to(f, kind) for f in CONVERTERS.values()), f"no from_mlx_lm for {kind}"
 
 
 def _converts_to(convert, kind) -> bool:
