@@ -81,6 +81,8 @@ def test_chain_equals_mlx_lm_and_the_sequence_of_calls(name: str, rows: int) -> 
     for steps in range(1, 6):
         caches, state = _prefill(model, m, rows)
         logits, picks, new = m.chain(tokens, state, steps, _pick)
+        kept = m._kept._state  # the chain's caches, kept for a plain forward from `new`
+        assert kept is not None and kept() is new
         ref_logits, ref_picks = _mlx_lm_chain(model, caches, tokens, steps)
         assert logits.shape == (rows, steps, VOCAB)
         np.testing.assert_allclose(np.array(logits), ref_logits, **TOL)
@@ -180,6 +182,24 @@ def test_drafter_proposes_the_same_through_chain_and_calls(temperature: float) -
         drafter.accept(mx.concatenate([first.tokens, mx.array([[1], [2]])], 1), [5, 5])
         second = drafter.propose([8, 9], 3, sampler)  # fed the pending draft first
         proposals.append((first, second))
+    # The first round as the drafter's loop of calls was written before `chain`: one key
+    # split per draft, the sample of the step's last-position distribution.
+    state = ks.merge([m(mx.array([p]), m.init_state())[1] for p in (PROMPTS[0], PROMPTS[2])])
+    key, y, tokens, probs = mx.random.key(3), mx.array([[5], [6]]), [], []
+    for _ in range(4):
+        logits, state = m(y, state)
+        if temperature:
+            q = sampler.probs(logits[:, -1])
+            key, sub = mx.random.split(key)
+            y = sampler.sample(q, sub)[:, None]
+            probs.append(q[:, None])
+        else:
+            y = logits[:, -1:].argmax(-1).astype(mx.int32)
+        tokens.append(y)
+    first = proposals[0][0]
+    np.testing.assert_array_equal(np.array(first.tokens), np.array(mx.concatenate(tokens, 1)))
+    if temperature:
+        np.testing.assert_allclose(np.array(first.probs), np.array(mx.concatenate(probs, 1)), **TOL)
     for a, b in zip(*proposals, strict=True):
         np.testing.assert_array_equal(np.array(a.tokens), np.array(b.tokens))
         if temperature:
