@@ -206,3 +206,23 @@ def test_drafter_proposes_the_same_through_chain_and_calls(temperature: float) -
             np.testing.assert_allclose(np.array(a.probs), np.array(b.probs), **TOL)
         else:
             assert a.probs is None and b.probs is None
+
+
+def test_an_mlx_vlm_model_chains_by_its_own_calls() -> None:
+    """mlx-vlm's wrap differs (its caches, its language model): the chain is its calls."""
+    pytest.importorskip("mlx_vlm")
+    from kvstate.adapters import vlm
+
+    from .vlm_helpers import tiny_vlm
+
+    m = vlm.wrap(tiny_vlm("gemma3_text"))
+    state = m(mx.array([PROMPTS[0]]), m.init_state())[1]
+    logits, picks, new = m.chain(mx.array([[5, 9]]), state, 3, _pick)
+    expected, y, ref = [], mx.array([[5, 9]]), state
+    for _ in range(3):
+        out, ref = m(y, ref)
+        expected.append(np.array(out[:, -1]))
+        y = _pick(out[:, -1])[:, None]
+    np.testing.assert_allclose(np.array(logits), np.stack(expected, 1), **TOL)
+    np.testing.assert_array_equal(np.array(picks[:, -1:]), np.array(y))
+    assert_states_allclose(new, ref, **TOL)
