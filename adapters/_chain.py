@@ -43,8 +43,9 @@ def chain(
     gives NaN logits for the forward it was fed to, and the row's state must be discarded.
     `pick` sees the logits before that poisoning.
 
-    Only `state` and the model's cache objects hold the state: a caller that hands its last
-    reference over (`m.chain(t, self.take(), ...)`) lets MLX update the buffers in place.
+    The chain drops its reference to `state` once the caches are open: a caller that hands
+    over its last one (`m.chain(t, self.take(), ...)`) lets MLX write the steps into the
+    buffers in place instead of copying them (when they are evaluated during the chain).
     """
     from ._wrap import _guarded, _nan_where  # _wrap imports this module
 
