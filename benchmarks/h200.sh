@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/h200.sh tests quantized decode     (one call)
 #   bash benchmarks/h200.sh spec drafters              (the next)
+#   SEEDS=1,2 bash benchmarks/h200.sh drafters         (seeds of the draft-model generator rows)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,7 +27,7 @@ case "$part" in
   tests)
     # float32 matmuls in full precision: the tests compare forwards of different shapes
     step 170 gpu-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
-      tests/test_kept_caches.py tests/test_buckets.py tests/test_quantized_options.py \
+      tests/test_chain.py tests/test_kept_caches.py tests/test_buckets.py tests/test_quantized_options.py \
       tests/test_quantized_speculative.py tests/test_model_drafter.py tests/test_tree_verify.py \
       tests/test_hybrid_models.py property_tests/test_gated_delta_steps.py
     ;;
@@ -37,12 +38,16 @@ case "$part" in
   decode)
     step 150 decode python3 benchmarks/verify.py --only decode
     ;;
+  overhead)
+    step 90 decode-overhead python3 benchmarks/decode_overhead.py --reps 40
+    ;;
   spec)
     step 240 spec python3 benchmarks/verify.py --only spec --models llama qwen3_next
     ;;
   drafters)
-    step 150 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3
+    step 240 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3 \
+      --seeds "${SEEDS:-0}"
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [spec] [drafters]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [drafters]"; exit 2 ;;
 esac
 done
