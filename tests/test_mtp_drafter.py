@@ -94,9 +94,10 @@ def test_the_target_as_its_own_head_has_every_draft_accepted():
     k = 4
     out, drafted = decode(wrap(model), PROMPTS, MTPDrafter(TargetHead(model)), k=k)
     assert out == truth
-    # Every round gives k drafts and the target's token; the last round is cut short.
+    # Every round gives k drafts and the target's token; the last round drafts only the
+    # tokens still wanted (rest - 1 drafts, then the target's token).
     full, rest = divmod(NEW - 1, k + 1)
-    assert drafted == len(PROMPTS) * (full * k + min(rest, k))
+    assert drafted == len(PROMPTS) * (full * k + max(rest - 1, 0))
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import (
     ModelDrafter,
     NGramDrafter,
+    Proposal,
     Sampler,
     accept,
     generate,
@@ -91,6 +92,40 @@ def test_a_draft_model_drafter_and_max_tokens_and_eos():
         for t in r
     ]
     assert out == truth[: truth.index(stop) + 1]
+
+
+@pytest.mark.parametrize("budget", [9, 7])
+def test_the_last_rounds_draft_only_the_tokens_still_wanted(budget):
+    """A draft past every row's budget would be verified only to be cut (mlx-lm caps its
+    drafts the same way): near the end the generator asks for fewer, and for the last token
+    of every row it takes a plain step and leaves the drafter alone."""
+    model = tiny_model("llama", scale=4.0)
+    truth = [greedy(model, p, budget) for p in PROMPTS[:2]]
+    asked: list[tuple[int, int]] = []  # (k asked for, tokens the rows still wanted)
+    drafter = ScriptedDrafter(truth, p=1.0)
+    propose, accept = drafter.propose, drafter.accept
+    accepted: list[list[int]] = []
+
+    def recording(last: list[int], k: int, sampler) -> Proposal:
+        asked.append((k, budget - min(drafter.emitted)))
+        return propose(last, k, sampler)
+
+    def accepting(fed: mx.array, kept: list[int]) -> None:
+        accepted.append(kept)
+        accept(fed, kept)
+
+    drafter.propose, drafter.accept = recording, accepting  # type: ignore[method-assign]
+    rows: list[list[int]] = [[], []]
+    for r in generate(wrap(model), PROMPTS[:2], drafter, k=4, max_tokens=budget, adaptive=False):
+        for t in r:
+            rows[t.row].append(t.token)
+    assert rows == truth
+    # Every draft is right: the prefill gives 1 token and a round of 4 drafts gives 5.
+    if budget == 9:  # 1 + 5, then 3 wanted: 2 drafts and the target's token
+        assert asked == [(4, 8), (2, 3)]
+    else:  # 1 + 5, then 1 wanted: a plain step, no proposal and no accept
+        assert asked == [(4, 6)]
+    assert len(accepted) == len(asked)
 
 
 # ---------------------------------------------------------------------------------------

@@ -100,7 +100,13 @@ def generate(
                 [last[i] for i in alive],
                 [counts[i] for i in alive],
             )
-        proposal = drafter.propose(last, width, sampler) if drafter is not None else None
+        # Drafts past every row's budget would be verified only to be cut (mlx-lm too drafts
+        # at most the tokens still wanted): near the end the rounds narrow.
+        room = max(max_tokens - c for c in counts) - 1
+        if drafter is not None and room > 0:
+            proposal = drafter.propose(last, min(width, room), sampler)
+        else:
+            proposal = None
         if proposal is None or max(proposal.counts) == 0:
             fed = mx.array(last, mx.int32)[:, None]
             logits, state, *hidden = target(fed, state, **extra)
@@ -156,7 +162,7 @@ def generate(
                     width = max(1, width - 1)
         if group is not None:
             agree([*rows, *accepted, *nxt], group, what="the rows, accepted counts and next tokens")
-        if drafter is not None:
+        if drafter is not None and room > 0:  # room 0: every row ends with this round
             seen = {"hidden": hidden[0]} if extra else {}
             drafter.accept(fed, [a + 1 for a in accepted], **seen)
         logprobs = _logprobs(logits)
