@@ -27,9 +27,9 @@ def generic(default: Callable[..., Any]) -> Any:
             impl = resolved[cls] = dispatcher.dispatch(cls)
         return impl
 
-    def call(first: Any, *args: Any) -> Any:
+    def call(first: Any, *args: Any, **kwargs: Any) -> Any:
         impl = resolved.get(first.__class__)
-        return (impl or dispatch(first.__class__))(first, *args)
+        return (impl or dispatch(first.__class__))(first, *args, **kwargs)
 
     def register(cls: Any, func: Callable[..., Any] | None = None) -> Any:
         if func is None and isinstance(cls, type):  # @f.register(Cls)

@@ -93,3 +93,30 @@ def test_a_new_kind_in_one_file_works_with_every_transform_and_save_load():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("ok")
     assert "TokenHistory" in run.stdout
+
+
+def test_a_generic_function_finds_implementations_registered_after_it_was_called():
+    """kvstate._dispatch.generic caches resolved implementations: a later registration (a
+    kind registered late, a subclass) must still win, and keywords pass through."""
+    from kvstate._dispatch import generic
+
+    @generic
+    def describe(x: object, suffix: str = "") -> str:
+        return "default" + suffix
+
+    class Base:
+        pass
+
+    class Derived(Base):
+        pass
+
+    assert describe(Derived()) == "default"
+
+    @describe.register(Base)
+    def _(x: Base, suffix: str = "") -> str:
+        return "base" + suffix
+
+    assert describe(Derived(), suffix="!") == "base!"
+    describe.register(Derived, lambda x, suffix="": "derived" + suffix)
+    assert describe(Derived()) == "derived"
+    assert describe(Base()) == "base"
