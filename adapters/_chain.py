@@ -93,7 +93,7 @@ def chain(
 
 def _column(y: Any, rows: int) -> mx.array:
     """A pick as (B, 1) ids, refused unless it is B integer ids."""
-    if type(y) is mx.array and y.dtype in _INT_DTYPES:
+    if type(y) is mx.array and y.dtype in ID_DTYPES:
         if y.shape == (rows, 1):
             return y
         if y.shape == (rows,):
@@ -105,7 +105,8 @@ def _column(y: Any, rows: int) -> mx.array:
     )
 
 
-_INT_DTYPES = frozenset({mx.int32, mx.int64, mx.uint32, mx.int16, mx.uint16, mx.int8, mx.uint8})
+# The integer dtypes taken as token ids without conversion (here and in `WrappedModel`).
+ID_DTYPES = frozenset({mx.int32, mx.int64, mx.uint32, mx.int16, mx.uint16, mx.int8, mx.uint8})
 
 
 def _joined(picks: list[mx.array]) -> mx.array:

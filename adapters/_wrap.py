@@ -25,6 +25,7 @@ from kvstate.distributed import with_placement
 from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 
 from ._capture import Mixer, known_mixers
+from ._chain import ID_DTYPES
 from ._chain import chain as _chain
 from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
@@ -232,7 +233,7 @@ class WrappedModel:
     def _tokens(self, tokens: Any, state: ModelState) -> tuple[mx.array, mx.array | None]:
         """Tokens as a checked (B, K) integer array, and for mx.array ids the mask of ids
         outside the vocabulary (None when the ids were checked on the host)."""
-        if type(tokens) is mx.array and tokens.dtype in _ID_DTYPES and tokens.ndim == 2:
+        if type(tokens) is mx.array and tokens.dtype in ID_DTYPES and tokens.ndim == 2:
             # A decode step's ids: only the batch and the vocabulary are left to check.
             rows, width = tokens.shape
             if rows and width:
@@ -292,9 +293,6 @@ def _check_batch(rows: int, state: ModelState) -> None:
 
 def _holds_arrays(layer: Any) -> bool:
     return bool(tree_flatten(layer)[0])
-
-
-_ID_DTYPES = frozenset({mx.int32, mx.int64, mx.uint32, mx.int16, mx.uint16, mx.int8, mx.uint8})
 
 
 @mx.compile

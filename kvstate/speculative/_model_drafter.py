@@ -114,11 +114,10 @@ class ModelDrafter:
         before = None if handed_over else self.state
         chain = getattr(self.draft, "chain", None)  # a wrapped model's steps on its caches
         if chain is not None:
-            _, drafted, after = chain(y, self._take_state() if handed_over else self.state, k, pick)
+            _, drafted, after = chain(y, self._take_state() if handed_over else before, k, pick)
         else:
-            drafted, after = _drafted_by_calls(
-                self.draft, y, self._take_state() if handed_over else self.state, k, pick
-            )
+            start = self._take_state() if handed_over else before
+            drafted, after = _drafted_by_calls(self.draft, y, start, k, pick)
         self._proposal = _Proposed(before, after, tokens[-1], prefix, k)
         distributions = mx.concatenate(probs, axis=1) if probs else None
         return Proposal(drafted, [k] * len(last), distributions)
