@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._drafter import Drafter, Proposal
+from ._drafter import Drafter, DraftTree, Proposal
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
@@ -28,6 +28,7 @@ from ._tree_verify import TreeVerdict, tree_of_paths, verify_tree
 
 __all__ = [
     "DraftHead",
+    "DraftTree",
     "Drafter",
     "MTPDrafter",
     "ModelDrafter",

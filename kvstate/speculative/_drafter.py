@@ -31,11 +31,26 @@ class Proposal(NamedTuple):
     probs: mx.array | None
 
 
+class DraftTree(NamedTuple):
+    """Candidate drafts of one row as a token tree: `tokens[i]` follows draft `parents[i]`
+    (-1: a root, following the row's last token), parents listed before their children.
+    Empty: nothing worth verifying (the generator takes a plain step)."""
+
+    tokens: list[int]
+    parents: list[int]
+
+
 class Drafter(Protocol):
     """Optional: a drafter with a true `uses_hidden` attribute (MTP-style heads) gets the
     target's final hidden states as a keyword, `start(prompts, hidden=[(1, L, D) per
     prompt])` and `accept(fed, kept, hidden=(B, w, D) over fed)`; the target then runs with
-    `hidden=True`. Other drafters are called exactly as below."""
+    `hidden=True`. Other drafters are called exactly as below.
+
+    Tree verification (`generate(..., tree="tree" | "paths")`, batch 1) asks instead of
+    `propose` for `propose_tree(last: int, k: int, sampler) -> DraftTree`: several candidate
+    continuations of depth at most k. `accept` then gets the winning path, `fed` (1, 1 + depth)
+    its last token and drafts, and `kept` [accepted + 1], exactly as after a linear verify of
+    that path."""
 
     def start(self, prompts: list[list[int]]) -> None:
         """The generator prefilled these prompts (one per row) into the target."""
