@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
 from .._dense import DenseKV
-from .._errors import CommitError
-from .._transforms import capabilities, commit_prefix, filter, merge
+from .._errors import CommitError, StateError, TokenError
+from .._ints import as_int
+from .._transforms import (
+    batch_size,
+    capabilities,
+    commit_prefix,
+    filter,
+    merge,
+    row_select,
+    tile,
+)
 from .._trust import inherit
 from ..kinds import Composite, replace, with_parts
-from ._drafter import Proposal
+from ._branches import Branches, first_picks, matching_path
+from ._drafter import DraftTree, Proposal
 from ._replay import run_kept
 from ._sampling import Sampler
+from ._tree_verify import tree_of_paths
 
 # Kinds whose commit only moves the end of the buffer back (`length` -= rejected): the
 # entries k one-token forwards wrote sit exactly where one k-token forward writes them, so
@@ -63,6 +74,11 @@ class ModelDrafter:
       differ (row by row where that commit is refused: pooled windows), so those draft
       models stay exact.
 
+    Tree drafting (`propose_tree`, batch 1): the draft model's `branches` most likely first
+    tokens (distinct draws without replacement when sampling), each continued for k - 1
+    more steps in one batched run over the draft state tiled to one row per branch; after
+    the verify the winning branch's row is kept and rolled back as above.
+
     `draft`: a wrapped model (`kvstate.adapters.wrap(model)`). `pipelined`: evaluate each
     draft token asynchronously as soon as its forward is built, so the device computes step
     i while the host builds step i + 1 (mlx-lm's `async_eval` loop); None: on a GPU only.
@@ -70,13 +86,18 @@ class ModelDrafter:
     benchmarks/speculative.py), so the round's drafts and verify are evaluated together.
     """
 
-    def __init__(self, draft: Any, seed: int = 0, *, pipelined: bool | None = None) -> None:
+    def __init__(
+        self, draft: Any, seed: int = 0, *, pipelined: bool | None = None, branches: int = 3
+    ) -> None:
+        self.branches = as_int(branches, "ModelDrafter: branches", StateError)
+        if self.branches < 1:
+            raise StateError(f"ModelDrafter: branches must be an int >= 1; got {branches!r}")
         self.draft = draft
         self.pipelined = mx.default_device().type == mx.gpu if pipelined is None else pipelined
         self.key = mx.random.key(seed)
         self.state: Any = None  # holds every token the target kept, but `pending`
         self.pending: mx.array | None = None  # (B, 1) a kept final draft not yet fed
-        self._proposal: _Proposed | None = None
+        self._proposal: _Proposed | Branches | None = None
         self._trims: bool | None = None  # rolls_back_by_trim of the draft state, once known
 
     def start(self, prompts: list[list[int]]) -> None:
@@ -128,6 +149,9 @@ class ModelDrafter:
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         proposal, self._proposal, self.pending = self._proposal, None, None
+        if isinstance(proposal, Branches):
+            self._accept_branch(proposal, fed, kept)
+            return
         uniform = len(set(kept)) == 1
         if proposal is not None and uniform and kept[0] >= proposal.k:
             self.state = proposal.after
@@ -138,6 +162,98 @@ class ModelDrafter:
             self.state = _trimmed(proposal, kept)
             return
         self._run_kept(fed, kept, None if proposal is None else proposal.pending)
+
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        """Up to `branches` candidate continuations of depth `k` of a batch-1 row, as a
+        token tree: the draft model's most likely (or, sampling, distinct sampled) first
+        tokens after `last`, each followed by the draft model's own next k - 1 picks."""
+        if self.state is None:
+            raise StateError("ModelDrafter.propose_tree: call start(prompts) first")
+        rows = batch_size(self.state)
+        if rows != 1:
+            raise StateError(
+                f"ModelDrafter.propose_tree: tree drafting takes one row; the draft state has "
+                f"{rows} (use propose for a batch, or generate one prompt at a time)"
+            )
+        last = as_int(last, "ModelDrafter.propose_tree: last", TokenError)
+        branches = self.branches
+        y = mx.array([[last]], mx.int32)
+        prefix = self.pending
+        if prefix is not None:
+            y = mx.concatenate([prefix, y], axis=1)
+        step = 0
+        weights: list[mx.array] = []  # (B,) sampling: each first token's probability
+
+        def pick(logits: mx.array) -> mx.array:  # (B, vocab): every row a branch
+            nonlocal step
+            if step == 0:  # every row holds the same history: branch on row 0's logits
+                self.key, key = mx.random.split(self.key)
+                drafted, weight = first_picks(logits[0], branches, sampler, key)
+                if weight is not None:
+                    weights.append(weight)
+            elif sampler.greedy:
+                drafted = logits.argmax(-1).astype(mx.int32)
+            else:
+                self.key, key = mx.random.split(self.key)
+                drafted = sampler.sample(sampler.probs(logits), key)
+            step += 1
+            if self.pipelined:
+                mx.async_eval(drafted)
+            return drafted[:, None]  # (B, 1): the next step's input
+
+        # The state before stays whole (tile copies it): what a re-run rolls back to.
+        tiled = tile(self.state, branches)
+        ys = mx.repeat(y, branches, axis=0)
+        chain = getattr(self.draft, "chain", None)
+        if chain is not None:
+            _, drafted, after = chain(ys, tiled, k, pick)
+        else:
+            drafted, after = _drafted_by_calls(self.draft, ys, tiled, k, pick)
+        del tiled
+        paths = cast(list[list[int]], drafted.tolist())
+        # A first token the sampler gives no mass (top-k, top-p) is never worth a branch.
+        live = (
+            list(range(branches))
+            if not weights
+            else [b for b, w in enumerate(cast(list[float], weights[0].tolist())) if w > 0]
+        )
+        self._proposal = Branches(after, [paths[b] for b in live], live, prefix, k)
+        return DraftTree(*tree_of_paths([paths[b] for b in live]))
+
+    def _accept_branch(self, proposal: Branches, fed: mx.array, kept: list[int]) -> None:
+        """After a tree verify: the row of the branch the target kept, rolled back to the
+        kept tokens like a linear round's proposing state (or the kept tokens re-run)."""
+        if len(kept) != 1 or fed.shape[0] != 1:
+            raise StateError(
+                f"ModelDrafter.accept: a tree proposal takes one row; got fed {fed.shape}, "
+                f"kept {kept}"
+            )
+        n = as_int(kept[0], "ModelDrafter.accept: kept", StateError)
+        if not 1 <= n <= min(fed.shape[1], proposal.k + 1):
+            raise StateError(
+                f"ModelDrafter.accept: kept {n} of {fed.shape[1]} fed tokens after a depth-"
+                f"{proposal.k} tree; it must be 1 .. {min(fed.shape[1], proposal.k + 1)}"
+            )
+        drafts = cast(list[int], fed[0, 1:n].tolist())
+        path = matching_path(proposal, drafts)
+        if path is None:  # not a proposed path: the kept tokens again, from the state before
+            self._run_kept(fed, kept, proposal.pending)
+            return
+        branch = _Proposed(
+            None,
+            row_select(proposal.after, proposal.rows[path]),
+            mx.array([[proposal.paths[path][-1]]], mx.int32),
+            proposal.pending,
+            proposal.k,
+        )
+        if n >= proposal.k:  # the branch's proposing state holds every kept token
+            self.state = branch.after
+            if n == proposal.k + 1:
+                self.pending = branch.final_draft
+        elif self._trims:
+            self.state = _trimmed(branch, [n])
+        else:
+            self._run_kept(fed, kept, proposal.pending)
 
     def _run_kept(self, fed: mx.array, kept: list[int], pending: mx.array | None) -> None:
         """The kept tokens through the draft model again, from the state before the proposal."""
