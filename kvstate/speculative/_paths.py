@@ -1,9 +1,11 @@
 """Tree verification as a batch of paths: `tile` one sequence's state to P rows, verify P
 candidate continuations in one forward, `row_select` the winner and commit its prefix.
 
-Exact for greedy decoding: the winner is the path whose drafts the target agrees with longest,
-and its committed state is the one a linear verify of that path gives. (Exact sampling over
-several candidate paths needs a multi-draft acceptance rule; not offered here.)
+Greedy: the winner is the path whose drafts the target agrees with longest, and its committed
+state is the one a linear verify of that path gives. With a sampler: exact speculative
+sampling over the candidates' trie (`tree_of_paths`; recursive rejection sampling,
+`_tree_accept`), each trie node reading the logits of the first path that contains it; the
+winner is the first path containing the deepest accepted node.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from .. import distributed
 from .._errors import StateError, TokenError
 from .._transforms import batch_size, commit_prefix, row_select, tile
 from .._tree import tree_map
+from ._sampling import Sampler
+from ._tree_accept import sample_tree, sampling_of
+from ._tree_verify import tree_of_paths
 
 
 class PathVerdict(NamedTuple):
@@ -24,34 +29,86 @@ class PathVerdict(NamedTuple):
     accepted: int  # how many of its drafts the target accepted
     tokens: list[int]  # what to emit: the accepted drafts, then the target's next token
     state: Any  # batch 1: the last token and the accepted drafts committed
+    logits: mx.array  # (accepted + 1, vocab): the target's logits at `last` and each accepted draft
 
 
-def verify_paths(target: Any, state: Any, last: int, paths: Sequence[Sequence[int]]) -> PathVerdict:
+def verify_paths(
+    target: Any,
+    state: Any,
+    last: int,
+    paths: Sequence[Sequence[int]],
+    *,
+    sampler: Sampler | None = None,
+    key: mx.array | None = None,
+) -> PathVerdict:
     """Verify candidate continuations `paths` (each a list of draft ids, lengths may differ)
     of a batch-1 `state` whose next input is `last`, in one forward of P rows (memory: P
-    copies of the state while it runs). Greedy: the longest agreeing prefix wins."""
+    copies of the state while it runs). Greedy (no sampler, or a greedy one): the longest
+    agreeing prefix wins. With a sampler: exact speculative sampling over the paths' trie,
+    drawing from `key` (the global PRNG if None)."""
     if batch_size(state) != 1:
         raise StateError(f"verify_paths: takes a batch-1 state; got {batch_size(state)} rows")
     if not paths or any(len(p) == 0 for p in paths):
         raise TokenError("verify_paths: give at least one path, each with at least one draft")
+    sampling = sampling_of(sampler, key, "verify_paths")
     width = max(len(p) for p in paths)
     rows = [[last, *p, *[0] * (width - len(p))] for p in paths]
     logits, verified, checkpoints = target(
         mx.array(rows, mx.int32), tile(state, len(paths)), capture=True
     )
+    group = distributed.group_of(target)  # a split model: every rank must pick the same path
+    if sampling is None:
+        winner, count, follow = _greedy(logits, rows, paths, group)
+    else:
+        winner, count, follow = _sampled(logits, paths, sampling, key)
+        if group is not None:
+            winner, count, follow = distributed.agree(
+                [winner, count, follow], group, what="verify_paths: the sampled path"
+            )
+    chosen = row_select(verified, winner)
+    picked = tree_map(lambda c: c[winner : winner + 1], checkpoints)
+    kept = commit_prefix(chosen, count + 1, picked)
+    emitted = [*paths[winner][:count], follow]
+    return PathVerdict(winner, count, emitted, kept, logits[winner, : count + 1])
+
+
+def _greedy(
+    logits: mx.array, rows: list[list[int]], paths: Sequence[Sequence[int]], group: Any
+) -> tuple[int, int, int]:
+    """(winner, accepted, next token): the first of the longest agreeing prefixes."""
+    width = len(rows[0]) - 1
     best = logits.argmax(-1)  # (P, width + 1): the target's pick after each input token
     drafts = mx.array(rows, mx.int32)[:, 1:]
     lengths = mx.array([len(p) for p in paths])
     agree = (best[:, :width] == drafts) & (mx.arange(width)[None] < lengths[:, None])
     accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(1)
     counts = cast(list[int], accepted.tolist())
-    group = distributed.group_of(target)  # a split model: every rank must pick the same path
     if group is not None:
         counts = distributed.agree(counts, group, what="verify_paths: the accepted counts")
     winner = max(range(len(paths)), key=lambda p: counts[p])  # the first of the longest
     count = counts[winner]
-    chosen = row_select(verified, winner)
-    picked = tree_map(lambda c: c[winner : winner + 1], checkpoints)
-    kept = commit_prefix(chosen, count + 1, picked)
     follow = cast(list[int], best[winner].tolist())
-    return PathVerdict(winner, count, [*paths[winner][:count], follow[count]], kept)
+    return winner, count, follow[count]
+
+
+def _sampled(
+    logits: mx.array, paths: Sequence[Sequence[int]], sampler: Sampler, key: mx.array | None
+) -> tuple[int, int, int]:
+    """(winner, accepted, next token) by sampling over the paths' trie. Trie node i reads the
+    logits of the first path containing it (shared prefixes give the same logits up to
+    rounding), at the column after its token; the winner is the first path containing the
+    deepest accepted node, so its row holds the logits the final token was drawn from."""
+    tokens, parents = tree_of_paths(paths)
+    node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
+    row_of = [-1] * len(tokens)
+    column_of = [0] * len(tokens)  # the input column of the node's token (1: the first draft)
+    for r, path in enumerate(paths):
+        at = -1
+        for c, t in enumerate(path):
+            at = node_of[at, int(t)]
+            if row_of[at] == -1:
+                row_of[at], column_of[at] = r, c + 1
+    rows = mx.array([0, *row_of])
+    columns = mx.array([0, *column_of])
+    nodes, follow = sample_tree(sampler.probs(logits[rows, columns]), tokens, parents, sampler, key)
+    return (row_of[nodes[-1]] if nodes else 0), len(nodes), follow

@@ -6,7 +6,10 @@ at each token's depth and the recurrent layers following parent pointers
 (`target.tree_forward`) gives, at every node, the logits a linear forward of its
 root-to-node path gives. Greedy: a draft is accepted when its parent is (or it is a root)
 and the target's pick after its parent is that draft; the deepest accepted node wins (the
-first in tree order among equals), and exactly its path is committed.
+first in tree order among equals), and exactly its path is committed. With a sampler: exact
+speculative sampling over the tree (recursive rejection sampling, `_tree_accept`), every
+emitted token distributed as the target alone would sample it; the accepted path is
+committed the same way.
 
 Against `verify_paths` (a batch of paths): one copy of the state instead of P, and shared
 prefixes of the candidates computed once; the price is a commit that gathers the path's
@@ -18,9 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
+import mlx.core as mx
+
 from .._errors import StateError, TokenError
 from .._ints import as_int, as_ints
 from .._transforms import batch_size
+from ._sampling import Sampler
+from ._tree_accept import sample_tree, sampling_of
 from ._tree_commit import commit_path
 
 
@@ -29,18 +36,29 @@ class TreeVerdict(NamedTuple):
     accepted: int  # len(nodes)
     tokens: list[int]  # what to emit: the accepted drafts, then the target's next token
     state: Any  # batch 1: `last` and the accepted drafts committed
+    logits: mx.array  # (accepted + 1, vocab): the target's logits at `last` and each accepted draft
 
 
 def verify_tree(
-    target: Any, state: Any, last: int, tokens: Sequence[int], parents: Sequence[int]
+    target: Any,
+    state: Any,
+    last: int,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    *,
+    sampler: Sampler | None = None,
+    key: mx.array | None = None,
 ) -> TreeVerdict:
     """Verify a draft tree (`tokens[i]` with parent `parents[i]`, -1 for a root, parents
     listed before their children) of a batch-1 `state` whose next input is `last`, in one
-    forward of 1 + len(tokens) tokens over one copy of the state. Greedy: the longest path
-    the target agrees with wins. `target` is a wrapped model (`tree_forward`)."""
+    forward of 1 + len(tokens) tokens over one copy of the state. Greedy (no sampler, or a
+    greedy one): the longest path the target agrees with wins. With a sampler: exact
+    speculative sampling over the tree, drawing from `key` (the global PRNG if None).
+    `target` is a wrapped model (`tree_forward`)."""
     if batch_size(state) != 1:
         raise StateError(f"verify_tree: takes a batch-1 state; got {batch_size(state)} rows")
     drafts, links = _checked(tokens, parents)
+    sampling = sampling_of(sampler, key, "verify_tree")
     last = as_int(last, "verify_tree: last", TokenError)
     forward = getattr(target, "tree_forward", None)
     if forward is None:
@@ -51,11 +69,16 @@ def verify_tree(
     # Input position 0 is `last`; draft i sits at position i + 1.
     positions = [-1, *[p + 1 for p in links]]
     logits, verified, checkpoints = forward([[last, *drafts]], state, positions)
-    best = cast(list[int], logits[0].argmax(-1).tolist())  # the pick after each position
-    nodes = _longest_agreeing(drafts, links, best)
-    end = nodes[-1] + 1 if nodes else 0
-    kept = commit_path(verified, [0, *[i + 1 for i in nodes]], checkpoints)
-    return TreeVerdict(nodes, len(nodes), [*[drafts[i] for i in nodes], best[end]], kept)
+    if sampling is None:
+        best = cast(list[int], logits[0].argmax(-1).tolist())  # the pick after each position
+        nodes = _longest_agreeing(drafts, links, best)
+        follow = best[nodes[-1] + 1 if nodes else 0]
+    else:
+        nodes, follow = sample_tree(sampling.probs(logits[0]), drafts, links, sampling, key)
+    kept_positions = [0, *[i + 1 for i in nodes]]
+    kept = commit_path(verified, kept_positions, checkpoints)
+    emitted = [*[drafts[i] for i in nodes], follow]
+    return TreeVerdict(nodes, len(nodes), emitted, kept, logits[0, mx.array(kept_positions)])
 
 
 def tree_of_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
