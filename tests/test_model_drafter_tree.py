@@ -28,6 +28,7 @@ from kvstate.speculative import (
     verify_tree,
 )
 from kvstate.speculative import _model_drafter as drafter_module
+from kvstate.speculative._branches import first_picks
 from tests.helpers import greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
@@ -218,12 +219,56 @@ def test_linear_rounds_follow_a_tree_round():
     assert cast(list[int], proposal.tokens[0].tolist()) == greedy_reference(model, context, 3)
 
 
+def test_a_refused_accept_leaves_the_drafter_as_it_was():
+    model = tiny_model("llama")
+    r = Rounds(model, model)
+    r.round("paths", 2)  # everything kept: a pending final draft
+    paths = r.propose(2)
+    fed = mx.array([[r.last, *paths[0]]], mx.int32)
+    for bad_fed, kept in [(fed, [1, 1]), (mx.repeat(fed, 2, axis=0), [1]), (fed, [4]), (fed, [0])]:
+        with pytest.raises(StateError, match=r"ModelDrafter\.accept"):
+            r.drafter.accept(bad_fed, kept)
+    assert r.drafter.pending is not None
+    r.verify("paths", paths, DraftTree(*tree_of_paths(paths)))
+    r.check_state()
+
+
 def test_trees_take_one_row_and_at_least_one_branch():
     with pytest.raises(StateError, match="branches"):
         ModelDrafter(wrap(tiny_model("llama")), branches=0)
     drafter = ModelDrafter(wrap(tiny_model("llama")))
     with pytest.raises(StateError, match="start"):
         drafter.propose_tree(5, 3, Sampler())
+    drafter.start([[1, 2, 3]])
+    with pytest.raises(StateError, match="k must be"):
+        drafter.propose_tree(5, 0, Sampler())
+    wide = ModelDrafter(wrap(tiny_model("llama")), branches=300)  # the vocabulary is 256
+    wide.start([[1, 2]])
+    with pytest.raises(StateError, match="vocabulary"):
+        wide.propose_tree(5, 2, Sampler())
     drafter.start([[1, 2, 3], [4, 5]])
     with pytest.raises(StateError, match="one row"):
         drafter.propose_tree(5, 3, Sampler())
+
+
+def test_sampled_first_tokens_are_draws_without_replacement_from_the_draft_distribution():
+    """Branch 0's first token is distributed as the sampler's q, branch 1's as the second
+    draw without replacement, sum_i q_i q_j / (1 - q_i) (NumPy); distinct every time."""
+    logits = mx.array([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    sampler = Sampler(temperature=0.7)
+    q = np.array(sampler.probs(logits), dtype=np.float64)
+    second = np.array([sum(q[i] * q[j] / (1 - q[i]) for i in range(6) if i != j) for j in range(6)])
+    draws = 3000
+    counts = np.zeros((2, 6))
+    key = mx.random.key(7)
+    for _ in range(draws):
+        key, sub = mx.random.split(key)
+        ids, weight = first_picks(logits, 3, sampler, sub)
+        picked = cast(list[int], ids.tolist())
+        assert len(set(picked)) == 3
+        assert weight is not None
+        np.testing.assert_allclose(np.array(weight), q[picked], rtol=1e-5)
+        counts[0, picked[0]] += 1
+        counts[1, picked[1]] += 1
+    np.testing.assert_allclose(counts[0] / draws, q, atol=0.03)
+    np.testing.assert_allclose(counts[1] / draws, second, atol=0.03)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, cast
 import mlx.core as mx
 
 from .._dense import DenseKV
-from .._errors import CommitError, StateError, TokenError
+from .._errors import CommitError, ShapeError, StateError, TokenError
 from .._ints import as_int
 from .._transforms import (
     batch_size,
@@ -148,10 +148,10 @@ class ModelDrafter:
         return state
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
-        proposal, self._proposal, self.pending = self._proposal, None, None
-        if isinstance(proposal, Branches):
-            self._accept_branch(proposal, fed, kept)
+        if isinstance(self._proposal, Branches):
+            self._accept_branch(self._proposal, fed, kept)
             return
+        proposal, self._proposal, self.pending = self._proposal, None, None
         uniform = len(set(kept)) == 1
         if proposal is not None and uniform and kept[0] >= proposal.k:
             self.state = proposal.after
@@ -176,6 +176,8 @@ class ModelDrafter:
                 f"{rows} (use propose for a batch, or generate one prompt at a time)"
             )
         last = as_int(last, "ModelDrafter.propose_tree: last", TokenError)
+        if as_int(k, "ModelDrafter.propose_tree: k", ShapeError) < 1:
+            raise ShapeError(f"ModelDrafter.propose_tree: k must be an int >= 1; got {k!r}")
         branches = self.branches
         y = mx.array([[last]], mx.int32)
         prefix = self.pending
@@ -234,6 +236,8 @@ class ModelDrafter:
                 f"ModelDrafter.accept: kept {n} of {fed.shape[1]} fed tokens after a depth-"
                 f"{proposal.k} tree; it must be 1 .. {min(fed.shape[1], proposal.k + 1)}"
             )
+        # Checked before anything changes: a refused accept leaves the drafter as it was.
+        self._proposal, self.pending = None, None
         drafts = cast(list[int], fed[0, 1:n].tolist())
         path = matching_path(proposal, drafts)
         if path is None:  # not a proposed path: the kept tokens again, from the state before
