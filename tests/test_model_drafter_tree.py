@@ -33,7 +33,6 @@ from tests.helpers import greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
 PROBE = 77  # a token fed after `last` in the state check, so two positions are compared
-TOL = {"rtol": 1e-3, "atol": 1e-3}
 
 
 class Counting:
@@ -90,7 +89,7 @@ class Rounds:
             assert cast(list[int], pending.tolist()) == [[self.history[-1]]]
         ours = self.counting.wrapped(mx.array([fed]), self.drafter.state)[0][0, -2:]
         want = raw_logits(self.draft, [*held, *fed], [len(held) + len(fed)])
-        np.testing.assert_allclose(np.array(ours), want[0][0, -2:], **TOL)
+        np.testing.assert_allclose(np.array(ours), want[0][0, -2:], rtol=1e-3, atol=1e-3)
 
     def propose(self, k: int, sampler: Sampler | None = None) -> list[list[int]]:
         self.check_state()
