@@ -271,3 +271,21 @@ def test_sampled_first_tokens_are_draws_without_replacement_from_the_draft_distr
         counts[1, picked[1]] += 1
     np.testing.assert_allclose(counts[0] / draws, q, atol=0.03)
     np.testing.assert_allclose(counts[1] / draws, second, atol=0.03)
+
+
+@pytest.mark.parametrize("name", ["llama", "mamba2"])
+def test_kept_tokens_no_branch_proposed_run_again_from_the_state_before(name):
+    """A winning path the drafter never proposed (a caller's own tree): the kept tokens run
+    through the draft model again, after the pending final draft, and the state is exact."""
+    model = tiny_model(name)
+    r = Rounds(model, model)
+    r.round("paths", 2)  # everything kept: a pending final draft
+    assert r.drafter.pending is not None
+    paths = r.propose(2)
+    other = next(t for t in range(1, 256) if t not in {p[0] for p in paths})
+    before = r.counting.calls
+    r.drafter.accept(mx.array([[r.last, other, 9]], mx.int32), [2])
+    assert r.counting.calls == before + 1
+    r.history += [r.last, other]
+    r.last = 9
+    r.check_state()
