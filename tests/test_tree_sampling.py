@@ -97,12 +97,12 @@ def test_the_emitted_tokens_are_distributed_as_the_target_samples_them():
         pairs[tuple(emitted[:2])] += 1
         if emitted[:2] == [1, 0] and len(emitted) > 2:
             thirds[emitted[2]] += 1
-    assert all(lengths[n] > DRAWS // 50 for n in (1, 2, 3, 4)), lengths  # every depth reached
     root = TARGET[()]
     _assert_matches(firsts, dict(enumerate(root)), "token 1")
     joint = {(a, b): root[a] * TARGET[(a,)][b] for a in range(V) for b in range(V)}
     _assert_matches(pairs, joint, "tokens 1 and 2")
     _assert_matches(thirds, dict(enumerate(TARGET[(1, 0)])), "token 3 after (1, 0)")
+    assert all(lengths[n] > DRAWS // 50 for n in (1, 2, 3, 4)), lengths  # every depth reached
 
 
 def test_the_rule_on_a_leaf_only_tree_and_a_draft_of_probability_one():
