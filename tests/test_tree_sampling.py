@@ -157,8 +157,15 @@ def _assert_against_mlx_lm(model, m, state, last: int, verdict) -> None:
     assert_same_context(verdict.state, m(mx.array([kept]), state)[1], m, probe)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
-def test_sampled_tree_and_paths_commit_what_mlx_lm_computes(name):
+@pytest.mark.parametrize(
+    ("name", "sampler"),
+    [
+        ("llama", SAMPLER),
+        ("qwen3_next", SAMPLER),
+        ("mamba2", Sampler(temperature=0.7, top_p=0.9, top_k=8)),  # zeros in p: never accepted
+    ],
+)
+def test_sampled_tree_and_paths_commit_what_mlx_lm_computes(name, sampler):
     """verify_tree and verify_paths with a temperature sampler over several seeds: the emitted
     drafts form a root path of the tree, the final token is none of the rejected children of
     the last accepted node, and the state and logits equal mlx-lm's forward of the emitted
@@ -174,9 +181,9 @@ def test_sampled_tree_and_paths_commit_what_mlx_lm_computes(name):
     accepted = Counter()
     for seed in range(6):
         tree = verify_tree(
-            m, state, last, tokens, parents, sampler=SAMPLER, key=mx.random.key(seed)
+            m, state, last, tokens, parents, sampler=sampler, key=mx.random.key(seed)
         )
-        batch = verify_paths(m, state, last, paths, sampler=SAMPLER, key=mx.random.key(seed))
+        batch = verify_paths(m, state, last, paths, sampler=sampler, key=mx.random.key(seed))
         assert tree.tokens == batch.tokens
         assert tree.accepted == batch.accepted == len(tree.nodes)
         assert [parents[i] for i in tree.nodes] == [-1, *tree.nodes][: tree.accepted]  # root path
@@ -184,6 +191,7 @@ def test_sampled_tree_and_paths_commit_what_mlx_lm_computes(name):
         assert batch.tokens[:-1] == paths[batch.path][: batch.accepted]
         end = tree.nodes[-1] if tree.nodes else -1
         assert tree.tokens[-1] not in _children(tokens, parents, end)  # all were rejected
+        assert float(sampler.probs(tree.logits[-1])[tree.tokens[-1]]) > 0  # in p's support
         accepted[tree.accepted] += 1
         for verdict in (tree, batch):
             _assert_against_mlx_lm(model, m, state, last, verdict)
