@@ -29,7 +29,8 @@ case "$part" in
     step 170 gpu-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
       tests/test_chain.py tests/test_kept_caches.py tests/test_buckets.py tests/test_quantized_options.py \
       tests/test_quantized_speculative.py tests/test_model_drafter.py tests/test_tree_verify.py \
-      tests/test_hybrid_models.py property_tests/test_gated_delta_steps.py
+      tests/test_hybrid_models.py property_tests/test_gated_delta_steps.py \
+      tests/test_speculative_tree.py tests/test_tree_sampling.py tests/test_model_drafter_tree.py
     ;;
   quantized)
     step 70 qattn-probe python3 benchmarks/cuda_qattn_probe.py
@@ -48,6 +49,10 @@ case "$part" in
     step 240 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3 \
       --seeds "${SEEDS:-0}"
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [drafters]"; exit 2 ;;
+  trees)
+    step 300 trees env MLX_ENABLE_TF32=0 python3 benchmarks/tree_generate.py --size large \
+      --models "${MODELS:-llama,qwen3_next}" --reps 3
+    ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [drafters] [trees]"; exit 2 ;;
 esac
 done

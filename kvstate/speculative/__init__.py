@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._drafter import Drafter, DraftTree, Proposal
+from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
@@ -37,6 +37,7 @@ __all__ = [
     "Proposal",
     "Sampler",
     "Token",
+    "TreeDrafter",
     "TreeVerdict",
     "Verdict",
     "accept",

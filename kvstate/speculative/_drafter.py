@@ -44,13 +44,7 @@ class Drafter(Protocol):
     """Optional: a drafter with a true `uses_hidden` attribute (MTP-style heads) gets the
     target's final hidden states as a keyword, `start(prompts, hidden=[(1, L, D) per
     prompt])` and `accept(fed, kept, hidden=(B, w, D) over fed)`; the target then runs with
-    `hidden=True`. Other drafters are called exactly as below.
-
-    Tree verification (`generate(..., tree="tree" | "paths")`, batch 1) asks instead of
-    `propose` for `propose_tree(last: int, k: int, sampler) -> DraftTree`: several candidate
-    continuations of depth at most k. `accept` then gets the winning path, `fed` (1, 1 + depth)
-    its last token and drafts, and `kept` [accepted + 1], exactly as after a linear verify of
-    that path."""
+    `hidden=True`. Other drafters are called exactly as below."""
 
     def start(self, prompts: list[list[int]]) -> None:
         """The generator prefilled these prompts (one per row) into the target."""
@@ -67,3 +61,24 @@ class Drafter(Protocol):
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows stay in the batch (the others finished), in this order."""
+
+
+class TreeDrafter(Protocol):
+    """What tree verification (`generate(..., tree="tree" | "paths")`, one prompt) asks of a
+    drafter: `propose_tree` instead of `propose`; `start`, `accept` and `keep_rows` as for a
+    `Drafter`. After a tree round `accept` gets the winning path, exactly as after a linear
+    verify of that path."""
+
+    def start(self, prompts: list[list[int]]) -> None: ...
+
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        """Candidate continuations of `last` (which no state holds yet), of depth at most
+        `k`. Any choice made without the target's acceptance randomness is exact: the target
+        tries each draft as a point mass."""
+        ...
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        """`fed` (1, 1 + depth): the last token and the winning path's drafts (rejected ones
+        included); `kept` [accepted + 1]."""
+
+    def keep_rows(self, rows: list[int]) -> None: ...

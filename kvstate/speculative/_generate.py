@@ -17,9 +17,10 @@ from .._errors import CommitError, StateError, TokenError
 from .._transforms import capabilities, commit_prefix, filter, merge
 from .._tree import host_ints
 from ..distributed import agree, group_of
-from ._drafter import Drafter
+from ._drafter import Drafter, TreeDrafter
 from ._replay import commit_may_be_refused, run_kept
 from ._sampling import Sampler, accept, greedy_picks
+from ._tree_round import TREE_MODES, tree_round
 
 
 class Token(NamedTuple):
@@ -35,7 +36,7 @@ class Token(NamedTuple):
 def generate(
     target: Any,
     prompts: Sequence[Sequence[int]],
-    drafter: Drafter | None = None,
+    drafter: Drafter | TreeDrafter | None = None,
     *,
     k: int = 4,
     max_tokens: int = 256,
@@ -43,6 +44,7 @@ def generate(
     eos: Sequence[int] = (),
     adaptive: bool = True,
     seed: int = 0,
+    tree: str | None = None,
 ) -> Iterator[list[Token]]:
     """Generate up to `max_tokens` per prompt, yielding the tokens of each round.
 
@@ -53,12 +55,20 @@ def generate(
     distributed as the target alone would sample it. A row stops at `max_tokens` or after an
     `eos` token. With `adaptive`, k grows by one after a round whose drafts were all accepted
     and shrinks by one after a round with none accepted (between 1 and the given `k`).
+
+    `tree`: verify several candidate continuations per round, from the drafter's
+    `propose_tree` (one prompt only): "tree" in one forward over one copy of the state with a
+    tree attention mask, "paths" as a batch of the tree's root-to-leaf paths. Greedy keeps the
+    longest agreeing path; sampling stays exact (each draft is tried as a point mass, the
+    target's distribution renormalised past the rejected siblings).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise TokenError("generate: give at least one prompt, each with at least one token")
     if k < 1 or max_tokens < 1:
         raise StateError(f"generate: k and max_tokens must be >= 1; got {k}, {max_tokens}")
     sampler = sampler or Sampler()
+    if tree is not None:
+        _check_tree_mode(tree, prompts, drafter)
     key = mx.random.key(seed)
     rows = list(range(len(prompts)))
     group = group_of(target)  # a distributed model's ranks must decide alike; None: one process
@@ -103,16 +113,34 @@ def generate(
         # Drafts past every row's budget would be verified only to be cut (mlx-lm too drafts
         # at most the tokens still wanted): near the end the rounds narrow.
         room = max(max_tokens - c for c in counts) - 1
-        if drafter is not None and room > 0:
-            proposal = drafter.propose(last, min(width, room), sampler)
-        else:
-            proposal = None
-        if proposal is None or max(proposal.counts) == 0:
+        proposal = candidates = None
+        if drafter is not None and room > 0 and tree is None:
+            proposal = cast(Drafter, drafter).propose(last, min(width, room), sampler)
+        elif drafter is not None and room > 0:
+            candidates = cast(TreeDrafter, drafter).propose_tree(last[0], min(width, room), sampler)
+        if candidates is not None and candidates.tokens:
+            assert tree is not None
+            sub = None
+            if not sampler.greedy:
+                key, sub = mx.random.split(key)
+            verified_round = tree_round(tree, target, state, last[0], candidates, sampler, sub)
+            del state  # the verify holds it while it runs; nothing here needs it after
+            state, logits, fed = verified_round.state, verified_round.logits, verified_round.fed
+            accepted = [verified_round.accepted]
+            nxt = [verified_round.tokens[-1]]
+            drafts: list[list[int]] = [verified_round.tokens[:-1]]
+            hidden = []
+            if adaptive:
+                if verified_round.accepted == verified_round.depth:
+                    width = min(k, width + 1)
+                elif verified_round.accepted == 0:
+                    width = max(1, width - 1)
+        elif proposal is None or max(proposal.counts) == 0:
             fed = mx.array(last, mx.int32)[:, None]
             logits, state, *hidden = target(fed, state, **extra)
             key, nxt = _sample(sampler, logits[:, -1], key)
             accepted = [0] * len(rows)
-            drafts: list[list[int]] = [[] for _ in rows]
+            drafts = [[] for _ in rows]
         else:
             span = max(proposal.counts)
             drafted = proposal.tokens
@@ -176,6 +204,27 @@ def generate(
         done = _finish(round_tokens, counts, max_tokens, eos, rows)
         last = nxt
         yield round_tokens
+
+
+def _check_tree_mode(tree: str, prompts: Sequence[Sequence[int]], drafter: Any) -> None:
+    if tree not in TREE_MODES:
+        raise StateError(f"generate: tree must be None, 'tree' or 'paths'; got {tree!r}")
+    if len(prompts) != 1:
+        raise StateError(
+            f"generate: tree verification takes one prompt; got {len(prompts)} (verify_tree "
+            "and verify_paths work on a batch-1 state): run the prompts one by one, or "
+            "drop tree= for batched linear drafting"
+        )
+    if drafter is None or not callable(getattr(drafter, "propose_tree", None)):
+        raise StateError(
+            f"generate: tree={tree!r} needs a drafter with propose_tree (NGramDrafter, "
+            f"ModelDrafter); got {type(drafter).__name__}"
+        )
+    if getattr(drafter, "uses_hidden", False):
+        raise StateError(
+            "generate: tree verification does not feed hidden states; an MTP-style drafter "
+            "drafts linearly (drop tree=)"
+        )
 
 
 def _sample(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, list[int]]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import cast
 
 import mlx.core as mx
 
-from ._drafter import Proposal
+from ._drafter import DraftTree, Proposal
 from ._sampling import Sampler
+from ._tree_verify import tree_of_paths
 
 
 class NGramDrafter:
@@ -16,16 +18,22 @@ class NGramDrafter:
     and lists repeat, so this is free and often right; when nothing matches it proposes
     nothing, and the generator takes a plain step.
 
-    Each row keeps an index from every n-gram to where its latest occurrence ended, updated
-    as tokens are kept: a lookup is O(max_n), whatever the context's length.
+    For tree verification (`propose_tree`) it proposes up to `branches` distinct
+    continuations: those of the latest `branches` occurrences of each n-gram, longest n first.
+
+    Each row keeps an index from every n-gram to where its latest `branches` occurrences
+    ended, updated as tokens are kept: a lookup is O(max_n * branches), whatever the
+    context's length.
     """
 
-    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+    def __init__(self, max_n: int = 3, min_n: int = 1, *, branches: int = 3) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"NGramDrafter: need 1 <= min_n <= max_n; got {min_n}, {max_n}")
-        self.max_n, self.min_n = max_n, min_n
+        if branches < 1:
+            raise ValueError(f"NGramDrafter: branches must be >= 1; got {branches}")
+        self.max_n, self.min_n, self.branches = max_n, min_n, branches
         self.history: list[list[int]] = []
-        self.index: list[dict[tuple[int, ...], int]] = []
+        self.index: list[dict[tuple[int, ...], list[int]]] = []
 
     def start(self, prompts: list[list[int]]) -> None:
         self.history, self.index = [], []
@@ -42,6 +50,15 @@ class NGramDrafter:
             drafts.append(found + [0] * (k - len(found)))
         return Proposal(mx.array(drafts, mx.int32), counts, None)
 
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        paths: list[list[int]] = []
+        for found in self._matches(0, last, k):
+            if found not in paths:
+                paths.append(found)
+            if len(paths) == self.branches:
+                break
+        return DraftTree(*tree_of_paths(paths))
+
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         rows = cast(list[list[int]], fed.tolist())
         for row, (tokens, n) in enumerate(zip(rows, kept, strict=True)):
@@ -52,17 +69,20 @@ class NGramDrafter:
         self.index = [self.index[i] for i in rows]
 
     def _lookup(self, row: int, token: int, k: int) -> list[int]:
+        return next(self._matches(row, token, k), [])
+
+    def _matches(self, row: int, token: int, k: int) -> Iterator[list[int]]:
+        """What followed each indexed occurrence of the row's last n tokens, longest n first,
+        latest occurrence first."""
         history, index = self.history[row], self.index[row]
         for n in range(self.max_n, self.min_n - 1, -1):
             if n - 1 > len(history):
                 continue
             gram = (*history[len(history) - (n - 1) :], token)
-            end = index.get(gram)
-            if end is not None:
+            for end in reversed(index.get(gram, ())):
                 # What followed that occurrence, up to the present (the last token included:
                 # a match that ends just before it continues a repeating pattern).
-                return [*history[end : end + k], token][:k]
-        return []
+                yield [*history[end : end + k], token][:k]
 
     def _extend(self, row: int, tokens: list[int]) -> None:
         history, index = self.history[row], self.index[row]
@@ -71,4 +91,7 @@ class NGramDrafter:
             end = len(history)
             for n in range(self.min_n, self.max_n + 1):
                 if end >= n:
-                    index[tuple(history[end - n : end])] = end
+                    ends = index.setdefault(tuple(history[end - n : end]), [])
+                    ends.append(end)
+                    if len(ends) > self.branches:
+                        del ends[0]

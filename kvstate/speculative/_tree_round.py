@@ -1,0 +1,76 @@
+"""One round of the generator in a tree mode: a drafter's candidate tree verified in one
+forward, as a token tree over one copy of the state (`verify_tree`) or as a batch of its
+root-to-leaf paths (`verify_paths`), batch 1."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from ._drafter import DraftTree
+from ._paths import PathVerdict, verify_paths
+from ._sampling import Sampler
+from ._tree_verify import TreeVerdict, verify_tree
+
+TREE_MODES = ("tree", "paths")
+
+
+class TreeRound(NamedTuple):
+    state: Any  # the last token and the accepted drafts committed
+    accepted: int
+    tokens: list[int]  # emitted: the accepted drafts, then the target's next token
+    fed: mx.array  # (1, 1 + depth) the last token and the winning path, for the drafter
+    logits: mx.array  # (1, accepted + 1, vocab) what each emitted token was chosen from
+    depth: int  # the tree's depth: every draft of a deepest path accepted when equal
+
+
+def tree_round(
+    mode: str,
+    target: Any,
+    state: Any,
+    last: int,
+    tree: DraftTree,
+    sampler: Sampler,
+    key: mx.array | None,
+) -> TreeRound:
+    paths = root_to_leaf_paths(tree)
+    verdict: PathVerdict | TreeVerdict
+    if mode == "paths":
+        verdict = verify_paths(target, state, last, paths, sampler=sampler, key=key)
+        path = paths[verdict.path]
+    else:
+        verdict = verify_tree(
+            target, state, last, tree.tokens, tree.parents, sampler=sampler, key=key
+        )
+        path = _path_through(tree, paths, verdict.nodes)
+    return TreeRound(
+        verdict.state,
+        verdict.accepted,
+        list(verdict.tokens),
+        mx.array([[last, *path]], mx.int32),
+        verdict.logits[None],
+        max(len(p) for p in paths),
+    )
+
+
+def root_to_leaf_paths(tree: DraftTree) -> list[list[int]]:
+    """Every root-to-leaf path of the tree as its tokens, leaves in tree order."""
+    has_child = set(tree.parents)
+    paths = []
+    for leaf in range(len(tree.tokens)):
+        if leaf in has_child:
+            continue
+        path, at = [], leaf
+        while at != -1:
+            path.append(tree.tokens[at])
+            at = tree.parents[at]
+        paths.append(path[::-1])
+    return paths
+
+
+def _path_through(tree: DraftTree, paths: list[list[int]], nodes: list[int]) -> list[int]:
+    """A root-to-leaf path (as tokens) through the accepted nodes: the drafts the drafter
+    proposed along the winning branch, rejected ones included."""
+    accepted = [tree.tokens[i] for i in nodes]
+    return next(p for p in paths if p[: len(accepted)] == accepted)

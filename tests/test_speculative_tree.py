@@ -1,0 +1,225 @@
+"""The generator's tree modes (`generate(..., tree="tree" | "paths")`) against the
+un-speculated oracle, mlx-lm's greedy `generate_step`, on every architecture tree
+verification supports, with candidate trees whose winning branch varies round to round;
+sampled tree rounds against the target's own distribution; the drafter told the winning path."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvstate import StateError
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
+from kvstate.speculative import (
+    DraftTree,
+    MTPDrafter,
+    NGramDrafter,
+    Sampler,
+    generate,
+    tree_of_paths,
+)
+
+from .helpers import ScriptedDrafter
+
+NEW = 64
+PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
+MODES = ["tree", "paths"]
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+class ScriptedTreeDrafter:
+    """Three candidate paths in a random order: the true greedy continuation with each token
+    right with probability `p`, one that follows the truth for one token and then goes wrong,
+    and one wrong from its first token. Checks that `accept` is told a real candidate path
+    whose kept prefix is what the generator emitted."""
+
+    def __init__(self, truth: list[int], p: float, seed: int = 0) -> None:
+        self.truth, self.p = truth, p
+        self.rng = np.random.default_rng(seed)
+        self.emitted = 1  # the prefill's token
+        self.proposed: list[list[int]] = []
+        self.winners = 0  # rounds won by a path that was not the first candidate
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        assert last == self.truth[self.emitted - 1]
+        true = (self.truth + [0] * (k + 1))[self.emitted : self.emitted + k]
+        noisy = [t if self.rng.random() < self.p else (t + 1) % VOCAB for t in true]
+        wrong = [(t + 2) % VOCAB for t in true]
+        paths = [noisy, [true[0], *wrong[1:]], wrong]
+        self.rng.shuffle(paths)
+        self.proposed = paths
+        return DraftTree(*tree_of_paths(paths))
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        row = cast(list[list[int]], fed.tolist())[0]
+        assert row[1:] in self.proposed, "accept must get a whole candidate path"
+        (n,) = kept
+        assert row[:n] == self.truth[self.emitted - 1 : self.emitted - 1 + n]
+        self.winners += n > 1 and row[1:] != self.proposed[0]
+        self.emitted += n
+
+    def keep_rows(self, rows: list[int]) -> None:
+        assert rows == [0]
+
+
+def run(target, drafter, mode: str, k: int = 4, **kwargs) -> tuple[list[int], int]:
+    out, drafted = [], 0
+    for tokens in generate(target, [PROMPT], drafter, k=k, max_tokens=NEW, tree=mode, **kwargs):
+        for t in tokens:
+            out.append(t.token)
+            drafted += t.from_draft
+    return out, drafted
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "qwen3", "gemma3_text", "qwen3_next", "mamba2", "nemotron_h", "falcon_h1", "lfm2"],
+)
+def test_tree_rounds_decode_exactly_like_greedy(name, mode):
+    """64 tokens equal mlx-lm's greedy ones; drafts are accepted, some rounds through a
+    candidate other than the first (gemma3's window of 8 wraps during the verifies)."""
+    model = tiny_model(name)
+    truth = greedy(model, PROMPT, NEW + 9)
+    drafter = ScriptedTreeDrafter(truth, 0.7)
+    out, drafted = run(wrap(model), drafter, mode)
+    assert out == truth[:NEW]
+    assert drafted > 0 and drafter.winners > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("p", "k"), [(1.0, 8), (0.0, 3), (0.5, 1)])
+def test_any_acceptance_and_depth(mode, p, k):
+    model = tiny_model("qwen3_next")
+    truth = greedy(model, PROMPT, NEW + 9)
+    out, drafted = run(wrap(model), ScriptedTreeDrafter(truth, p, seed=k), mode, k=k)
+    assert out == truth[:NEW]
+    if p == 1.0:  # the all-right candidate wins every round: k drafts + 1 per round
+        assert drafted >= NEW - NEW // (k + 1) - 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_lookup_trees_are_exact(mode):
+    """An unscaled random llama repeats itself: prompt lookup finds several continuations,
+    and the output is still mlx-lm's greedy output."""
+    model = tiny_model("llama", scale=1.0)
+    truth = greedy(model, PROMPT, NEW)
+    drafter = NGramDrafter(branches=3)
+    out, drafted = run(wrap(model), drafter, mode)
+    assert out == truth
+    assert drafted > 0
+
+
+def test_prompt_lookup_proposes_the_latest_distinct_continuations():
+    drafter = NGramDrafter(max_n=2, branches=3)
+    # "5" was followed by 6 7, then by 8 9, then by 6 7 again, then by 1 2
+    drafter.start([[5, 6, 7, 0, 5, 8, 9, 0, 5, 6, 7, 0, 5, 1, 2, 0]])
+    tree = drafter.propose_tree(5, 2, Sampler())
+    # the bigram (0, 5) and the unigram 5 agree; latest first, duplicates once
+    assert tree == DraftTree(*tree_of_paths([[1, 2], [6, 7], [8, 9]]))
+    assert drafter.propose_tree(4, 2, Sampler()) == DraftTree([], [])
+    assert drafter.propose([5], 2, Sampler()).tokens.tolist() == [[1, 2]]
+
+
+class TopCandidates:
+    """Root siblings: the target's three most likely tokens after the last one (chosen
+    without the acceptance's randomness, so the rule must stay exact), each followed by one
+    fixed token."""
+
+    def __init__(self, target, prompt: list[int]) -> None:
+        self.target, self.prompt = target, prompt
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        logits, _ = self.target(mx.array([[*self.prompt, last]]), self.target.init_state())
+        top = np.argsort(-np.array(logits[0, -1]))[:3].tolist()
+        return DraftTree([*top, 1, 2, 3][: 3 * min(k, 2)], [-1, -1, -1, 0, 1, 2][: 3 * min(k, 2)])
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        pass
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampled_tree_rounds_follow_the_target_distribution(mode):
+    """160 runs sample the same prompt at temperature 1 (top_k 6); the second token (the
+    first a tree can supply) follows the target's distribution given the first, within total
+    variation 0.3 (accepting the first candidate whenever it is drafted would put the most
+    likely token's share near 1)."""
+    model = tiny_model("llama", num_hidden_layers=2, seed=3)
+    target = wrap(model)
+    sampler = Sampler(temperature=1.0, top_k=6)
+    prompt = [5, 9, 13]
+    drafter = TopCandidates(target, prompt)
+    pairs: dict[int, list[int]] = {}
+    from_draft = 0
+    for seed in range(160):
+        rounds = generate(
+            target, [prompt], drafter, k=2, max_tokens=3, sampler=sampler, seed=seed, tree=mode
+        )
+        tokens = [t for r in rounds for t in r]
+        pairs.setdefault(tokens[0].token, []).append(tokens[1].token)
+        from_draft += tokens[1].from_draft
+    assert from_draft > 0
+    checked = 0
+    for first, seconds in pairs.items():
+        if len(seconds) < 40:
+            continue
+        logits, _ = target(mx.array([[*prompt, first]]), target.init_state())
+        want = np.array(sampler.probs(logits[0, -1]))
+        got = np.bincount(seconds, minlength=want.size) / len(seconds)
+        assert 0.5 * np.abs(got - want).sum() < 0.3, (first, len(seconds))
+        checked += 1
+    assert checked >= 1
+
+
+def test_logprobs_are_the_targets_at_each_emitted_token():
+    model = tiny_model("llama")
+    truth = greedy(model, PROMPT, 12)
+    target = wrap(model)
+    tokens = [
+        t
+        for r in generate(
+            target, [PROMPT], ScriptedTreeDrafter(truth, 0.7), max_tokens=12, tree="tree"
+        )
+        for t in r
+    ]
+    logits, _ = target(mx.array([PROMPT + truth[:11]]), target.init_state())
+    want = np.array(
+        logits[0, len(PROMPT) - 1 :] - mx.logsumexp(logits[0, len(PROMPT) - 1 :], -1, keepdims=True)
+    )
+    got = np.stack([np.array(t.logprobs) for t in tokens])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_tree_modes_are_refused():
+    target = wrap(tiny_model("llama"))
+    truth = [0] * 8
+    cases: list[tuple[dict[str, Any], list[list[int]], Any, str]] = [
+        ({"tree": "trie"}, [PROMPT], ScriptedTreeDrafter(truth, 1.0), "tree must be"),
+        ({"tree": "tree"}, [PROMPT, PROMPT], ScriptedTreeDrafter(truth, 1.0), "one prompt"),
+        ({"tree": "paths"}, [PROMPT], ScriptedDrafter([truth], 1.0), "propose_tree"),
+        ({"tree": "tree"}, [PROMPT], None, "propose_tree"),
+    ]
+    for kwargs, prompts, drafter, message in cases:
+        with pytest.raises(StateError, match=message):
+            next(generate(target, prompts, drafter, **kwargs))
+    mtp = MTPDrafter.__new__(MTPDrafter)
+    mtp.propose_tree = lambda *a: None  # type: ignore[attr-defined]
+    with pytest.raises(StateError, match="hidden states"):
+        next(generate(target, [PROMPT], mtp, tree="tree"))
