@@ -17,6 +17,7 @@ from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.speculative import (
     DraftTree,
+    ModelDrafter,
     MTPDrafter,
     NGramDrafter,
     Sampler,
@@ -223,3 +224,15 @@ def test_bad_tree_modes_are_refused():
     mtp.propose_tree = lambda *a: None  # type: ignore[attr-defined]
     with pytest.raises(StateError, match="hidden states"):
         next(generate(target, [PROMPT], mtp, tree="tree"))
+
+
+@pytest.mark.parametrize(("name", "mode"), [("llama", "tree"), ("qwen3_next", "paths")])
+def test_a_draft_model_proposing_trees_is_exact(name, mode):
+    """A draft model's top-3 first tokens, each continued k-1 steps: the output stays mlx-lm's
+    greedy output (llama's draft rolls back by a trim, qwen3_next's by a re-run)."""
+    model = tiny_model(name)
+    truth = greedy(model, PROMPT, NEW)
+    drafter = ModelDrafter(wrap(tiny_model(name, scale=3.9)), branches=3)
+    out, drafted = run(wrap(model), drafter, mode)
+    assert out == truth
+    assert drafted > 0
