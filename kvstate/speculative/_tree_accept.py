@@ -92,8 +92,9 @@ def walk_tree(
             token = tokens[child]
             if token in rejected:
                 continue  # p'(token) = 0: a duplicate of a rejected sibling
-            left = 1.0 - removed  # <= 0 only by rounding: p has no mass left to accept
-            if left > 0 and uniforms[child] * left < p_drafts[child]:  # u < p(c) / left
+            # left > 0: a rejection needs p(c) <= u * left < left, so removed stays below 1.
+            left = 1.0 - removed
+            if uniforms[child] * left < p_drafts[child]:  # u < p(c) / left
                 break
             rejected.append(token)
             removed += p_drafts[child]
