@@ -89,6 +89,7 @@ class Tree:
         self.ropes_called = 0
         self.masks_made = 0
         self._windows: dict[int, mx.array] = {}
+        self._ancestry: mx.array | None = None
 
     def chain(self, q: int) -> list[int]:
         """q, its parent, ..., position 0."""
@@ -98,12 +99,15 @@ class Tree:
         return out
 
     def ancestry(self) -> mx.array:
-        """(T, T) bool: [q, r] = r is q or one of q's ancestors."""
-        rows = [[False] * self.size for _ in range(self.size)]
-        for q in range(self.size):
-            for r in self.chain(q):
-                rows[q][r] = True
-        return mx.array(rows)
+        """(T, T) bool: [q, r] = r is q or one of q's ancestors (built once: every attention
+        layer's mask takes it)."""
+        if self._ancestry is None:
+            rows = [[False] * self.size for _ in range(self.size)]
+            for q in range(self.size):
+                for r in self.chain(q):
+                    rows[q][r] = True
+            self._ancestry = mx.array(rows)
+        return self._ancestry
 
     # -- attention -------------------------------------------------------------------------
 
@@ -238,8 +242,9 @@ def _tree_rope(cls: type) -> type:
     return _TREE_ROPES[cls]
 
 
-def _rope_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's rope modules; a rotary module of another class is refused."""
+def rope_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's rope modules; a rotary module of another class is refused. (A walk over
+    every module: the wrapped model finds them once.)"""
     found: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, _ROPES):
@@ -281,13 +286,14 @@ def tree_run(
     state: ModelState,
     parents: Sequence[int],
     mixers: list[tuple[nn.Module, Mixer]],
+    ropes: list[nn.Module],
 ) -> tuple[mx.array, ModelState, Any]:
-    """Run `tokens` (1, T) as a tree with `parents` (checked) from `state` (batch 1):
-    (logits (1, T, vocab), state with all T tokens appended, checkpoints by position)."""
+    """Run `tokens` (1, T) as a tree with `parents` (checked) from `state` (batch 1), the
+    model's `mixers` and `ropes` (`rope_modules`): (logits (1, T, vocab), state with all T
+    tokens appended, checkpoints by position)."""
     tree = Tree(parents)
     caches = [to_cache(layer) for layer in state.layers]
     attention = _checked_caches(caches)
-    ropes = _rope_modules(model)
     width = tokens.shape[1]
     with ExitStack() as scope:
         if buckets.enabled(width):  # first: the tree mask extends the bucketed one (CUDA)

@@ -62,6 +62,7 @@ class WrappedModel:
         self.placement, self.group = model_placement(model)
         self._mixers: list[tuple[nn.Module, Mixer]] | None = None  # found at the first capture
         self._projections: list[Projection] | None = None  # found at the first hidden=True
+        self._ropes: list[nn.Module] | None = None  # found at the first tree forward
         self._kept = KeptCaches()  # the last plain forward's caches (see `_kept`)
 
     def init_state(self, batch_size: int = 1) -> ModelState:
@@ -89,7 +90,7 @@ class WrappedModel:
         first). Logits at q are those of a linear forward of q's root-to-q path. Returns
         `(logits, state with all T appended, checkpoints by position)`: keep one path with
         `kvstate.speculative.verify_tree` (see `_tree_forward`)."""
-        from ._tree_forward import check_parents, tree_run
+        from ._tree_forward import check_parents, rope_modules, tree_run
 
         if type(self.model).__module__.startswith("mlx_vlm."):
             raise StateError(
@@ -103,7 +104,11 @@ class WrappedModel:
         links = check_parents(parents, tokens.shape[1])
         if self._mixers is None:
             self._mixers = known_mixers(self.model)
-        logits, new, checkpoints = tree_run(self.model, tokens, state, links, self._mixers)
+        if self._ropes is None:
+            self._ropes = rope_modules(self.model)
+        logits, new, checkpoints = tree_run(
+            self.model, tokens, state, links, self._mixers, self._ropes
+        )
         return _poisoned(logits, bad), self._ours(new, logits), checkpoints
 
     def __call__(

@@ -14,7 +14,7 @@ each recurrent layer the state after its last input. Keeping the path at input p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -31,10 +31,48 @@ from ..kinds import Composite, with_parts
 
 def commit_path(state: Any, kept: Sequence[int], checkpoints: Any) -> Any:
     """`state` (batch 1, after a tree forward) keeping only input positions `kept`."""
-    return _commit(state, tuple(kept), checkpoints)
+    kept = tuple(kept)
+    blocks = {}
+    if list(kept) != list(range(len(kept))):  # the path is not already in place
+        blocks = {id(layer): _gathered(layer, kept) for layer in _attention_layers(state)}
+        # Evaluate the small gathered blocks first, all layers in one sync: with a gather
+        # still pending MLX cannot write into the buffer in place and would copy the whole
+        # context.
+        mx.eval(list(blocks.values()))
+    return _commit(state, kept, checkpoints, blocks)
 
 
-def _commit(state: Any, kept: tuple[int, ...], checkpoints: Any) -> Any:
+def _attention_layers(state: Any) -> Iterator[DenseKV | RotatingKV]:
+    """The KV layers whose path entries move (the others are refused by `_commit`)."""
+    if isinstance(state, Composite):
+        for part in state.parts:
+            yield from _attention_layers(part)
+    elif isinstance(state, (DenseKV, RotatingKV)) and state.keys is not None:
+        padded_window = isinstance(state, RotatingKV) and state.left_padding is not None
+        if not padded_window:
+            yield state
+
+
+def _start(state: DenseKV | RotatingKV) -> int:
+    """Where the tree forward's first token sits in the layer's buffer."""
+    if isinstance(state, RotatingKV):
+        # A multi-token forward leaves the window in temporal order, its tokens last.
+        assert state.keys is not None
+        return int(state.keys.shape[2]) - state.appended
+    return state.length - state.appended
+
+
+def _gathered(state: DenseKV | RotatingKV, kept: tuple[int, ...]) -> list[mx.array]:
+    """The path's keys and values, in path order."""
+    start = _start(state)
+    index = mx.array([start + q for q in kept], mx.int32)
+    assert state.keys is not None and state.values is not None
+    return [mx.take(a, index, axis=2) for a in (state.keys, state.values)]
+
+
+def _commit(
+    state: Any, kept: tuple[int, ...], checkpoints: Any, blocks: dict[int, list[mx.array]]
+) -> Any:
     if isinstance(state, Composite):
         parts = state.parts
         per_part = checkpoints if checkpoints is not None else (None,) * len(parts)
@@ -44,9 +82,9 @@ def _commit(state: Any, kept: tuple[int, ...], checkpoints: Any) -> Any:
                 "must be a tuple of as many entries; pass what the tree forward returned"
             )
         pairs = zip(parts, per_part, strict=True)
-        return with_parts(state, tuple(_commit(p, kept, c) for p, c in pairs))
+        return with_parts(state, tuple(_commit(p, kept, c, blocks) for p, c in pairs))
     if isinstance(state, (DenseKV, RotatingKV)):
-        return _commit_attention(state, kept)
+        return _commit_attention(state, kept, blocks.get(id(state)))
     if isinstance(state, RecurrentState):
         return _commit_recurrent(state, kept, checkpoints)
     raise StateError(
@@ -55,22 +93,15 @@ def _commit(state: Any, kept: tuple[int, ...], checkpoints: Any) -> Any:
     )
 
 
-def _commit_attention(state: DenseKV | RotatingKV, kept: tuple[int, ...]) -> Any:
+def _commit_attention(
+    state: DenseKV | RotatingKV, kept: tuple[int, ...], moved: list[mx.array] | None
+) -> Any:
     if state.keys is None or state.values is None:
         raise StateError("tree commit: a KV layer holds nothing; run the tree forward first")
-    if isinstance(state, RotatingKV):
-        if state.left_padding is not None:
-            raise StateError("tree commit: a batched sliding window cannot keep a tree path")
-        # A multi-token forward leaves the window in temporal order, its tokens last.
-        start = int(state.keys.shape[2]) - state.appended
-    else:
-        start = state.length - state.appended
-    if list(kept) != list(range(len(kept))):  # the path is not already in place
-        index = mx.array([start + q for q in kept], mx.int32)
-        moved = [mx.take(a, index, axis=2) for a in (state.keys, state.values)]
-        # Evaluate the small gathered block first: with the gather still pending MLX cannot
-        # write into the buffer in place and would copy the whole context.
-        mx.eval(moved)
+    if isinstance(state, RotatingKV) and state.left_padding is not None:
+        raise StateError("tree commit: a batched sliding window cannot keep a tree path")
+    if moved is not None:  # gathered (and evaluated) by commit_path
+        start = _start(state)
 
         def fill(a: mx.array, block: mx.array) -> mx.array:
             out = a[...]  # a fresh object: the assignment must not reach `state`
