@@ -26,7 +26,7 @@ for part in "$@"; do
 case "$part" in
   tests)
     # float32 matmuls in full precision: the tests compare forwards of different shapes
-    step 170 gpu-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
+    step 300 gpu-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
       tests/test_chain.py tests/test_kept_caches.py tests/test_buckets.py tests/test_quantized_options.py \
       tests/test_quantized_speculative.py tests/test_model_drafter.py tests/test_tree_verify.py \
       tests/test_hybrid_models.py property_tests/test_gated_delta_steps.py \
