@@ -12,10 +12,10 @@ the root-to-q path would compute at its end:
 - recurrent layers (kvstate's known mixers, `_capture.KNOWN_MIXERS`): the convolution of
   token q reads its own window of ancestors' inputs (a gather, then mlx-lm's Conv1d over T
   windows as a batch); the recurrence (gated delta, Mamba2 SSM) starts token q from its
-  parent's state. It runs one depth level at a time with the level's tokens in the batch
-  axis, through `gated_delta_steps` / `ssm_steps`: the same kernels a linear capture uses
-  on GPUs (one launch per level instead of one per forward), the ops path on the CPU. No
-  new kernel: the parent pointers live in this module's gathers.
+  parent's state. It runs in one pass with each root-to-leaf path as a batch row, through
+  `gated_delta_steps` / `ssm_steps`: the same kernels a linear capture uses on GPUs (one
+  launch per layer), the ops path on the CPU; a node shared by several paths is computed
+  once per path. No new kernel: the parent pointers live in this module's gathers.
 
 On CUDA, dense caches attend over a bucketed key length (`_buckets`) as in any multi-token
 forward; the tree mask extends that bucketed mask.
@@ -70,7 +70,7 @@ _ROPES: tuple[type, ...] = (
 
 
 class Tree:
-    """The shape of one tree forward: parents, depths, levels, masks and window gathers."""
+    """The shape of one tree forward: parents, depths, paths, masks and window gathers."""
 
     def __init__(self, parents: Sequence[int]) -> None:
         self.parents = tuple(parents)
@@ -80,12 +80,7 @@ class Tree:
             depth.append(0 if p < 0 else depth[p] + 1)
         self.depth = depth
         self.depths = mx.array(depth, mx.int32)
-        self.levels = [
-            [q for q in range(self.size) if depth[q] == d] for d in range(max(depth) + 1)
-        ]
-        order = [q for level in self.levels for q in level]
-        self.reorder = None if order == list(range(self.size)) else _inverse(order)
-        self.is_chain = all(len(level) == 1 for level in self.levels)
+        self.is_chain = list(self.parents) == list(range(-1, self.size - 1))
         self.ropes_called = 0
         self.masks_made = 0
         self._windows: dict[int, mx.array] = {}
@@ -172,43 +167,39 @@ class Tree:
     ) -> tuple[mx.array, mx.array]:
         """`steps(*per_token, state, mask) -> (y, states)` (a linear recurrence over (B, T)
         inputs, such as `gated_delta_steps`) run so that token q starts from its parent's
-        state: one call per depth level, the level's tokens as its batch rows.
-        Returns y (1, T, ...) and the state after every token (1, T, ...)."""
-        if self.is_chain:  # one pass, as a linear capture runs it
+        state. Returns y (1, T, ...) and the state after every token (1, T, ...).
+
+        One pass with every root-to-leaf path as a batch row (shorter paths padded with
+        their leaf, whose extra steps are never read): one launch per layer, as a linear
+        capture, instead of one per depth level. A node on several paths is computed once
+        per path, cheap next to a launch; its output and state come from the first path
+        through it. Every row computes its path's recurrence exactly as a linear pass of
+        that path does."""
+        if self.is_chain:
             return steps(*per_token, state, mask)
-        # Carry float32 between levels, as a linear pass carries it between tokens (mlx-lm's
-        # float32 gates promote a bf16 state); hand back the states in the state's dtype.
-        dtype = None if state is None else state.dtype
-        state = None if state is None else state.astype(mx.float32)
-        ys: list[mx.array] = []
-        kept: list[mx.array] = []
-        after: dict[int, mx.array] = {}
-        for level in self.levels:
-            rows = mx.array(level, mx.int32)
-            inputs = [mx.take(a[0], rows, axis=0)[:, None] for a in per_token]
-            if level == [0]:
-                before = state
-            else:
-                before = mx.concatenate([after[self.parents[q]] for q in level])
-            level_mask = None if mask is None else mx.take(mask[0], rows)[:, None]
-            y, states = steps(*inputs, before, level_mask)
-            for i, q in enumerate(level):
-                after[q] = states[i : i + 1, 0]
-            ys.append(y[:, 0])
-            kept.append(states[:, 0])
-        y_all, states_all = mx.concatenate(ys), mx.concatenate(kept)
-        if self.reorder is not None:
-            y_all, states_all = y_all[self.reorder], states_all[self.reorder]
-        if dtype is not None and states_all.dtype != dtype:
-            states_all = states_all.astype(dtype)
-        return y_all[None], states_all[None]
+        paths, slots = self._paths()
+        inputs = [mx.take(a[0], paths, axis=0) for a in per_token]  # (P, D, ...)
+        rows = paths.shape[0]
+        start = None if state is None else mx.repeat(state, rows, axis=0)
+        path_mask = None if mask is None else mx.take(mask[0], paths)
+        y, states = steps(*inputs, start, path_mask)
+        y = mx.take(y.reshape(-1, *y.shape[2:]), slots, axis=0)
+        states = mx.take(states.reshape(-1, *states.shape[2:]), slots, axis=0)
+        return y[None], states[None]
 
-
-def _inverse(order: list[int]) -> mx.array:
-    inverse = [0] * len(order)
-    for i, q in enumerate(order):
-        inverse[q] = i
-    return mx.array(inverse, mx.int32)
+    def _paths(self) -> tuple[mx.array, mx.array]:
+        """(P, D) the root-to-leaf paths' positions (padded with their leaf), and (T,) where
+        each position sits in them, flattened: path * D + depth."""
+        inner = set(self.parents)
+        leaves = [q for q in range(self.size) if q not in inner]
+        chains = [self.chain(q)[::-1] for q in leaves]
+        width = max(len(c) for c in chains)
+        slot = [0] * self.size
+        for p in range(len(chains) - 1, -1, -1):  # the first path through a node wins
+            for d, q in enumerate(chains[p]):
+                slot[q] = p * width + d
+        padded = [c + [c[-1]] * (width - len(c)) for c in chains]
+        return mx.array(padded, mx.int32), mx.array(slot, mx.int32)
 
 
 # ---------------------------------------------------------------------------------------
