@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvstate import StateError
+from kvstate import StateError, TokenError
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.speculative import (
@@ -236,3 +236,15 @@ def test_a_draft_model_proposing_trees_is_exact(name, mode):
     out, drafted = run(wrap(model), drafter, mode)
     assert out == truth
     assert drafted > 0
+
+
+class CyclicTree(ScriptedTreeDrafter):
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        return DraftTree([4, 5, 6], [1, 2, 1])  # 0 -> 1 -> 2 -> 1 ...: no root
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_malformed_tree_from_the_drafter_is_refused(mode):
+    target = wrap(tiny_model("llama"))
+    with pytest.raises(TokenError, match="drafter's tree: parents"):
+        list(generate(target, [PROMPT], CyclicTree([0] * 8, 1.0), max_tokens=4, tree=mode))

@@ -11,7 +11,7 @@ import mlx.core as mx
 from ._drafter import DraftTree
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler
-from ._tree_verify import TreeVerdict, verify_tree
+from ._tree_verify import TreeVerdict, checked_tree, verify_tree
 
 TREE_MODES = ("tree", "paths")
 
@@ -34,6 +34,8 @@ def tree_round(
     sampler: Sampler,
     key: mx.array | None,
 ) -> TreeRound:
+    # A malformed tree must not reach the path walk (a cycle would never end).
+    tree = DraftTree(*checked_tree(tree.tokens, tree.parents, "generate: the drafter's tree"))
     paths = root_to_leaf_paths(tree)
     verdict: PathVerdict | TreeVerdict
     if mode == "paths":

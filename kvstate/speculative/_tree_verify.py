@@ -57,7 +57,7 @@ def verify_tree(
     `target` is a wrapped model (`tree_forward`)."""
     if batch_size(state) != 1:
         raise StateError(f"verify_tree: takes a batch-1 state; got {batch_size(state)} rows")
-    drafts, links = _checked(tokens, parents)
+    drafts, links = checked_tree(tokens, parents)
     sampling = sampling_of(sampler, key, "verify_tree")
     last = as_int(last, "verify_tree: last", TokenError)
     forward = getattr(target, "tree_forward", None)
@@ -99,21 +99,24 @@ def tree_of_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]
     return tokens, parents
 
 
-def _checked(tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int]]:
-    drafts, scalar = as_ints(tokens, "verify_tree: tokens", TokenError)
-    links, scalar_link = as_ints(parents, "verify_tree: parents", TokenError)
+def checked_tree(
+    tokens: Sequence[int], parents: Sequence[int], where: str = "verify_tree"
+) -> tuple[list[int], list[int]]:
+    """A draft tree as lists of ints, checked (TokenError naming `where` otherwise)."""
+    drafts, scalar = as_ints(tokens, f"{where}: tokens", TokenError)
+    links, scalar_link = as_ints(parents, f"{where}: parents", TokenError)
     if scalar or scalar_link:
-        raise TokenError("verify_tree: tokens and parents must be lists of ints, one per draft")
+        raise TokenError(f"{where}: tokens and parents must be lists of ints, one per draft")
     if not drafts:
-        raise TokenError("verify_tree: the tree is empty; give at least one draft")
+        raise TokenError(f"{where}: the tree is empty; give at least one draft")
     if len(links) != len(drafts):
         raise TokenError(
-            f"verify_tree: {len(drafts)} tokens but {len(links)} parents; give one parent per token"
+            f"{where}: {len(drafts)} tokens but {len(links)} parents; give one parent per token"
         )
     bad = [i for i, p in enumerate(links) if not -1 <= p < i]
     if bad:
         raise TokenError(
-            f"verify_tree: parents {links[:16]} are not a tree listed parents first: draft(s) "
+            f"{where}: parents {links[:16]} are not a tree listed parents first: draft(s) "
             f"{bad[:8]} point at themselves, at a later draft (a cycle or an order the forward "
             "cannot run) or below -1. List every parent before its children; -1 marks a root"
         )
