@@ -45,6 +45,10 @@ case "$part" in
   spec)
     step 240 spec python3 benchmarks/verify.py --only spec --models llama qwen3_next
     ;;
+  spec-llama)  # p = 0.8 rows with 400 tokens a run: ~120 rounds, the realized acceptance near the law's
+    step 200 spec-llama python3 benchmarks/verify.py --only spec decode --models llama --ps 0.8 --ks 2 4 8 \
+      --tokens 400
+    ;;
   drafters)
     step 240 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3 \
       --seeds "${SEEDS:-0}"
@@ -53,6 +57,6 @@ case "$part" in
     step 300 trees env MLX_ENABLE_TF32=0 python3 benchmarks/tree_generate.py --size large \
       --models "${MODELS:-llama,qwen3_next}" --reps 3
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [drafters] [trees]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees]"; exit 2 ;;
 esac
 done
