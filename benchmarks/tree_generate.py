@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from _harness import Contender, environment, interleave
-from speculative import perturbed
+from speculative import SIZES, perturbed, say
 
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
@@ -45,19 +45,6 @@ from kvstate.speculative import (
     tree_of_paths,
 )
 
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {},
-    "small": {
-        "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8,
-        "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 32,
-    },
-    "large": {  # ~1B-class, float32: for a GPU (MLX_ENABLE_TF32=0 keeps greedy exact)
-        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 8192,
-    },
-}  # fmt: skip
 HYBRID_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "small": {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8},
@@ -68,10 +55,6 @@ HYBRID_SIZES: dict[str, dict[str, Any]] = {
         "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     },
 }  # fmt: skip
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
 
 
 class OracleDrafter:

@@ -154,3 +154,27 @@ class ScriptedDrafter:
     def keep_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
         self.emitted = [self.emitted[i] for i in rows]
+
+
+def second_tokens_checked(
+    target: Any,
+    prompt: list[int],
+    sampler: Sampler,
+    pairs: dict[int, list[int]],
+    least: int,
+    bound: float,
+) -> int:
+    """For each first token sampled at least `least` times, the second tokens sampled after
+    it follow the target's own sampling distribution given prompt + first, within total
+    variation `bound` (the wrapped `target` computes that distribution). Returns how many
+    first tokens were checked."""
+    checked = 0
+    for first, seconds in pairs.items():
+        if len(seconds) < least:
+            continue
+        logits, _ = target(mx.array([[*prompt, first]]), target.init_state())
+        want = np.array(sampler.probs(logits[0, -1]))
+        got = np.bincount(seconds, minlength=want.size) / len(seconds)
+        assert 0.5 * np.abs(got - want).sum() < bound, (first, len(seconds))
+        checked += 1
+    return checked

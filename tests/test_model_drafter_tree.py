@@ -29,6 +29,7 @@ from kvstate.speculative import (
 )
 from kvstate.speculative import _model_drafter as drafter_module
 from kvstate.speculative._branches import first_picks
+from kvstate.speculative._tree_round import root_to_leaf_paths
 from tests.helpers import greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
@@ -50,19 +51,6 @@ class Counting:
 
     def init_state(self, *args: Any) -> Any:
         return self.wrapped.init_state(*args)
-
-
-def paths_of(tree: DraftTree) -> list[list[int]]:
-    """Root-to-leaf paths, leaves in tree order."""
-    leaves = [i for i in range(len(tree.tokens)) if i not in set(tree.parents)]
-    out = []
-    for leaf in leaves:
-        path, at = [], leaf
-        while at != -1:
-            path.append(tree.tokens[at])
-            at = tree.parents[at]
-        out.append(path[::-1])
-    return out
 
 
 class Rounds:
@@ -94,7 +82,7 @@ class Rounds:
     def propose(self, k: int, sampler: Sampler | None = None) -> list[list[int]]:
         self.check_state()
         tree = self.drafter.propose_tree(self.last, k, sampler or Sampler())
-        return paths_of(tree)
+        return root_to_leaf_paths(tree)
 
     def check_paths(self, paths: list[list[int]], k: int, branches: int) -> None:
         """(a): the draft model's top first tokens, each continued greedily by the draft."""
