@@ -239,3 +239,15 @@ def test_a_malformed_tree_from_the_drafter_is_refused(mode):
     target = wrap(tiny_model("llama"))
     with pytest.raises(TokenError, match="drafter's tree: parents"):
         list(generate(target, [PROMPT], CyclicTree([0] * 8, 1.0), max_tokens=4, tree=mode))
+
+
+class OutOfVocabulary(ScriptedTreeDrafter):
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        return DraftTree([5, VOCAB + 3], [-1, 0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drafts_outside_the_vocabulary_are_refused_in_both_modes(mode):
+    target = wrap(tiny_model("llama"))
+    with pytest.raises(TokenError, match=f"ids \\[{VOCAB + 3}\\] outside"):
+        list(generate(target, [PROMPT], OutOfVocabulary([0] * 8, 1.0), max_tokens=4, tree=mode))

@@ -4,10 +4,11 @@ root-to-leaf paths (`verify_paths`), batch 1."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
+from .._errors import TokenError
 from ._drafter import DraftTree
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler
@@ -36,6 +37,13 @@ def tree_round(
 ) -> TreeRound:
     # A malformed tree must not reach the path walk (a cycle would never end).
     tree = DraftTree(*checked_tree(tree.tokens, tree.parents, "generate: the drafter's tree"))
+    vocab = getattr(target, "vocab_size", None)
+    outside = [] if vocab is None else sorted({t for t in tree.tokens if not 0 <= t < vocab})
+    if outside:  # both modes alike (paths would feed them as an mx.array: NaN, never kept)
+        raise TokenError(
+            f"generate: the drafter proposed token ids {outside[:8]} outside the target's "
+            f"vocabulary (0..{cast(int, vocab) - 1})"
+        )
     paths = root_to_leaf_paths(tree)
     verdict: PathVerdict | TreeVerdict
     if mode == "paths":
