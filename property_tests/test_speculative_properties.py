@@ -8,7 +8,7 @@ mlx-lm's greedy continuation of its prompt, and the target's state must fit the 
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate.speculative import Proposal, Sampler, generate
+from kvstate.speculative import DraftTree, Proposal, Sampler, generate, tree_of_paths
 
 NEW = 24
 
@@ -86,3 +86,56 @@ def test_random_drafters_never_change_the_greedy_output(name, prompts, k, p_righ
         for t in tokens:
             out[t.row].append(t.token)
     assert out == [t[:NEW] for t in truths]
+
+
+class RandomTreeDrafter:
+    """Per round: a random tree of up to 4 candidate paths of random depths (1..k), each draft
+    the true next token with a drawn probability, a random token otherwise; sometimes no tree
+    at all (a plain step)."""
+
+    def __init__(self, truth: list[int], seed: int, p_right: float) -> None:
+        self.truth, self.p = truth, p_right
+        self.rng = np.random.default_rng(seed)
+        self.emitted = 1
+        self.paths: list[list[int]] = []
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        true = (self.truth + [0] * (k + 1))[self.emitted : self.emitted + k]
+        paths = [
+            [t if self.rng.random() < self.p else int(self.rng.integers(VOCAB)) for t in true][
+                : int(self.rng.integers(1, k + 1))
+            ]
+            for _ in range(int(self.rng.integers(0, 5)))
+        ]
+        self.paths = paths
+        return DraftTree(*tree_of_paths(paths))
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        # Told a proposed path (none after a plain step) whose kept prefix is the last token
+        # and the accepted truth.
+        row = cast(list[list[int]], fed.tolist())[0]
+        assert row[1:] in self.paths if len(row) > 1 else kept == [1]
+        assert row[: kept[0]] == self.truth[self.emitted - 1 : self.emitted - 1 + kept[0]]
+        self.emitted += kept[0]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+
+@settings(max_examples=12)
+@given(
+    name=st.sampled_from(["llama", "qwen3_next", "gemma3_text", "mamba2"]),
+    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+    mode=st.sampled_from(["tree", "paths"]),
+    k=st.integers(1, 6),
+    p_right=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_tree_drafters_never_change_the_greedy_output(name, prompt, mode, k, p_right, seed):
+    want = truth(name, tuple(prompt))
+    drafter = RandomTreeDrafter(want, seed, p_right)
+    rounds = generate(wrap(model(name)), [prompt], drafter, k=k, max_tokens=NEW, tree=mode)
+    assert [t.token for r in rounds for t in r] == want[:NEW]
