@@ -91,8 +91,8 @@ def contenders(
         out = [(int(t), bool(d)) for t, _, d in steps]
         return [t for t, _ in out], sum(d for _, d in out)
 
-    def ours(drafter: Any) -> tuple[list[int], int]:
-        rounds = generate(wrapped_model, [prompt], drafter, k=k, max_tokens=n, adaptive=False)
+    def ours(drafter: Any, adaptive: bool = False) -> tuple[list[int], int]:
+        rounds = generate(wrapped_model, [prompt], drafter, k=k, max_tokens=n, adaptive=adaptive)
         out = [t for r in rounds for t in r]
         return [t.token for t in out], sum(t.from_draft for t in out)
 
@@ -100,6 +100,8 @@ def contenders(
         "plain": plain,
         "mlx-lm": mlx_lm,
         "kvstate": lambda: ours(ModelDrafter(wrapped_draft)),
+        # The generator's default: k adapts to the acceptance (not the same drafts as mlx-lm's).
+        "kvstate adaptive": lambda: ours(ModelDrafter(wrapped_draft), adaptive=True),
         "kvstate n-gram": lambda: ours(NGramDrafter()),
     }
     return [Contender(name, lambda _, f=f: f()) for name, f in runs.items()], runs
