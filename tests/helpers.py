@@ -178,3 +178,21 @@ def second_tokens_checked(
         assert 0.5 * np.abs(got - want).sum() < bound, (first, len(seconds))
         checked += 1
     return checked
+
+
+class CountingModel:
+    """A wrapped model that counts its plain forwards (a draft model's re-runs show up here).
+    `chain`: pass the wrapped model's `chain` through; without it a ModelDrafter drafts call
+    by call, and those calls are counted too."""
+
+    def __init__(self, wrapped: Any, chain: bool = False) -> None:
+        self.wrapped, self.calls = wrapped, 0
+        if chain:
+            self.chain = wrapped.chain
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.wrapped(*args, **kwargs)
+
+    def init_state(self, *args: Any) -> Any:
+        return self.wrapped.init_state(*args)

@@ -20,22 +20,10 @@ from kvstate.speculative import ModelDrafter, Proposal, Sampler, generate
 from kvstate.speculative import _model_drafter as drafter_module
 from kvstate.testing import assert_states_allclose
 
+from .helpers import CountingModel
+
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5], [100, 101, 102], [7, 7, 40, 41, 42]]
 NEW = 24
-
-
-class CountingModel:
-    """A wrapped model that counts its forwards (the draft model's re-runs show up here)."""
-
-    def __init__(self, wrapped: Any) -> None:
-        self.wrapped, self.calls = wrapped, 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.wrapped(*args, **kwargs)
-
-    def init_state(self, *args: Any) -> Any:
-        return self.wrapped.init_state(*args)
 
 
 class Checked:

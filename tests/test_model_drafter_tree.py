@@ -30,27 +30,10 @@ from kvstate.speculative import (
 from kvstate.speculative import _model_drafter as drafter_module
 from kvstate.speculative._branches import first_picks
 from kvstate.speculative._tree_round import root_to_leaf_paths
-from tests.helpers import greedy_reference, raw_logits
+from tests.helpers import CountingModel, greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]
 PROBE = 77  # a token fed after `last` in the state check, so two positions are compared
-
-
-class Counting:
-    """A wrapped draft model that counts its plain forwards (re-runs while accepting show up
-    here); `chain` is passed through (or hidden, to take the drafter's call-by-call path)."""
-
-    def __init__(self, wrapped: Any, chain: bool = True) -> None:
-        self.wrapped, self.calls = wrapped, 0
-        if chain:
-            self.chain = wrapped.chain
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.wrapped(*args, **kwargs)
-
-    def init_state(self, *args: Any) -> Any:
-        return self.wrapped.init_state(*args)
 
 
 class Rounds:
@@ -58,7 +41,7 @@ class Rounds:
 
     def __init__(self, target: Any, draft: Any, *, chain: bool = True, branches: int = 3):
         self.target, self.draft = wrap(target), draft
-        self.counting = Counting(wrap(draft), chain)
+        self.counting = CountingModel(wrap(draft), chain)
         self.drafter = ModelDrafter(self.counting, branches=branches)
         logits, self.state = self.target(mx.array([PROMPT]), self.target.init_state())
         self.last = int(logits[0, -1].argmax())
