@@ -78,7 +78,6 @@ class Tree:
         depth: list[int] = []
         for p in self.parents:
             depth.append(0 if p < 0 else depth[p] + 1)
-        self.depth = depth
         self.depths = mx.array(depth, mx.int32)
         self.is_chain = list(self.parents) == list(range(-1, self.size - 1))
         self.ropes_called = 0

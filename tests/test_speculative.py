@@ -308,3 +308,25 @@ def test_a_draft_model_round_reads_the_device_once(monkeypatch, name):
     assert out == truth
     # per_round[0] also counts the prefill's reads
     assert len(per_round) > 5 and all(n == 1 for n in per_round[1:]), per_round
+
+
+def test_the_draft_length_adapts_to_the_acceptance():
+    """adaptive (the default): a round with no draft accepted asks for one fewer next time,
+    a round with every draft accepted one more, between 1 and k."""
+    model = tiny_model("llama", scale=4.0)
+    truth = [greedy(model, PROMPTS[0], 40)]
+    drafter = ScriptedDrafter(truth, p=0.0)
+    propose = drafter.propose
+    asked: list[int] = []
+
+    def scheduled(last: list[int], k: int, sampler) -> Proposal:
+        asked.append(k)
+        drafter.p = 0.0 if len(asked) <= 4 else 1.0  # four wrong rounds, then right ones
+        return propose(last, k, sampler)
+
+    drafter.propose = scheduled  # type: ignore[method-assign]
+    out = [
+        t.token for r in generate(wrap(model), PROMPTS[:1], drafter, k=3, max_tokens=30) for t in r
+    ]
+    assert out == truth[0][:30]
+    assert asked[:7] == [3, 2, 1, 1, 1, 2, 3]

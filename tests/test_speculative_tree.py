@@ -251,3 +251,30 @@ def test_drafts_outside_the_vocabulary_are_refused_in_both_modes(mode):
     target = wrap(tiny_model("llama"))
     with pytest.raises(TokenError, match=f"ids \\[{VOCAB + 3}\\] outside"):
         list(generate(target, [PROMPT], OutOfVocabulary([0] * 8, 1.0), max_tokens=4, tree=mode))
+
+
+class WrongThenRight(ScriptedTreeDrafter):
+    """Two candidate paths, both wrong from their first token for the first 3 rounds, then
+    the truth in both; records the depth asked for each round."""
+
+    def __init__(self, truth: list[int]) -> None:
+        super().__init__(truth, 1.0)
+        self.asked: list[int] = []
+
+    def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        self.asked.append(k)
+        true = (self.truth + [0] * (k + 1))[self.emitted : self.emitted + k]
+        shift = 1 if len(self.asked) <= 3 else 0
+        paths = [[(t + shift) % VOCAB for t in true], [(t + 2 * shift) % VOCAB for t in true]]
+        self.proposed = paths
+        return DraftTree(*tree_of_paths(paths))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_tree_depth_adapts_to_the_acceptance(mode):
+    model = tiny_model("llama")
+    truth = greedy(model, PROMPT, 40)
+    drafter = WrongThenRight(truth)
+    rounds = generate(wrap(model), [PROMPT], drafter, k=3, max_tokens=30, tree=mode)
+    assert [t.token for r in rounds for t in r] == truth[:30]
+    assert drafter.asked[:6] == [3, 2, 1, 1, 2, 3]

@@ -131,10 +131,7 @@ def generate(
             drafts: list[list[int]] = [verified_round.tokens[:-1]]
             hidden = []
             if adaptive:
-                if verified_round.accepted == verified_round.depth:
-                    width = min(k, width + 1)
-                elif verified_round.accepted == 0:
-                    width = max(1, width - 1)
+                width = _adapted(width, k, accepted, verified_round.depth)
         elif proposal is None or max(proposal.counts) == 0:
             fed = mx.array(last, mx.int32)[:, None]
             logits, state, *hidden = target(fed, state, **extra)
@@ -184,10 +181,7 @@ def generate(
             # model keeps them for a forward from it) and would share the committed buffers.
             del verified, checkpoints, before
             if adaptive:
-                if all(a == span for a in accepted):
-                    width = min(k, width + 1)
-                elif not any(accepted):
-                    width = max(1, width - 1)
+                width = _adapted(width, k, accepted, span)
         if group is not None:
             agree([*rows, *accepted, *nxt], group, what="the rows, accepted counts and next tokens")
         if drafter is not None and room > 0:  # room 0: every row ends with this round
@@ -204,6 +198,16 @@ def generate(
         done = _finish(round_tokens, counts, max_tokens, eos, rows)
         last = nxt
         yield round_tokens
+
+
+def _adapted(width: int, k: int, accepted: list[int], drafted: int) -> int:
+    """The next round's draft length: one more after a round whose every row accepted all
+    `drafted` drafts, one fewer after a round with none accepted (between 1 and k)."""
+    if all(a == drafted for a in accepted):
+        return min(k, width + 1)
+    if not any(accepted):
+        return max(1, width - 1)
+    return width
 
 
 def _check_tree_mode(tree: str, prompts: Sequence[Sequence[int]], drafter: Any) -> None:
