@@ -11,6 +11,13 @@ The caches get a subclass for the length of one forward (instance surgery, like 
 and only when the model asks one of them for its mask: a model that builds its own mask gets
 the exact key length, as before. All dense caches of a forward share one `Bucket`, since a
 model computes one mask (from one cache) for all its attention layers.
+
+A verify of up to `MAX_QUERIES` tokens over a `KVCache` whose mask is mlx-lm's plain causal
+one skips the buckets on CUDA: the model's attention is routed for that forward
+(`attention_routed`) to kvstate's verify kernel (`_verify_attention`), which reads the exact
+key length with no per-length cost and launches one kernel per layer where cuDNN (or, in
+float32, unfused ops) costs the host more. Masks given as arrays (a tree, a window, left
+padding) keep the buckets.
 """
 
 from __future__ import annotations
@@ -23,8 +30,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
+from ._quantized_attention import ROUTES, attention_routed
+from ._verify_attention import MAX_QUERIES, supported, verify_attention
+
 STEP = 256
 FORCE: bool | None = None  # tests set True to bucket on any device
+KERNEL: bool | None = None  # tests set True to route to the verify attention on any device
 
 
 def enabled(tokens: int) -> bool:
@@ -35,11 +46,17 @@ def enabled(tokens: int) -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def _kernel_enabled() -> bool:
+    return KERNEL if KERNEL is not None else mx.cuda.is_available()
+
+
 class Bucket:
-    """The key length every dense cache of one forward attends over (None: exact)."""
+    """The key length every dense cache of one forward attends over (None: exact), and
+    whether the model's attention is routed to the verify kernel for this forward."""
 
     def __init__(self) -> None:
         self.width: int | None = None
+        self.kernel = False
 
 
 def _width(end: int) -> int:
@@ -80,10 +97,27 @@ def _fetch(cache: Any, width: int) -> tuple[mx.array, mx.array]:
     return cache.keys[..., :width, :], cache.values[..., :width, :]
 
 
+def _kernel_takes(cache: Any, tokens: int, return_array: bool, window_size: Any) -> bool:
+    """Whether a causal mask for `tokens` over `cache` can go to the verify kernel (checked
+    again, with the queries, where the attention is routed)."""
+    keys = cache.keys
+    return (
+        cache._kvstate_bucket.kernel
+        and not return_array
+        and window_size is None
+        and tokens <= MAX_QUERIES
+        and keys is not None
+        and keys.shape[-1] % 32 == 0
+        and keys.shape[-1] <= 256
+    )
+
+
 class _BucketedKV(KVCache):
     _kvstate_bucket: Bucket
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if _kernel_takes(self, N, return_array, window_size):
+            return "causal"  # exact keys, attended by the verify kernel (`_verify_route`)
         end = self.offset + N
         self._kvstate_bucket.width = _width(end)
         mask = create_causal_mask(N, self.offset, window_size=window_size)
@@ -108,12 +142,25 @@ class _BucketedBatchKV(BatchKVCache):
         return BatchKVCache.keys_and_values(self) if width is None else _fetch(self, width)
 
 
+def _verify_route(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+                  sinks: Any) -> Any:  # fmt: skip
+    """The routed attention of a `_BucketedKV` (see `_quantized_attention.ROUTES`): the verify
+    kernel for a plain causal mask, else None (mlx-lm's function, bucketed mask and all)."""
+    takes = isinstance(mask, str) and mask == "causal" and sinks is None
+    if takes and cache._kvstate_bucket.kernel and supported(queries, keys):
+        return verify_attention(queries, keys, values, scale)
+    return None
+
+
+ROUTES[_BucketedKV] = _verify_route
+
 _BUCKETED = {KVCache: _BucketedKV, BatchKVCache: _BucketedBatchKV}
 
 
 @contextmanager
-def bucketing(caches: list[Any]) -> Iterator[None]:
-    """Give the forward's dense caches their bucketing class, then take it back."""
+def bucketing(caches: list[Any], model: Any = None) -> Iterator[None]:
+    """Give the forward's dense caches their bucketing class, then take it back. With the
+    `model`, its attention is routed to the verify kernel meanwhile (where enabled: CUDA)."""
     bucket = Bucket()
     patched = []
     try:
@@ -121,7 +168,12 @@ def bucketing(caches: list[Any]) -> Iterator[None]:
             patched.append((cache, type(cache)))
             cache.__class__ = _BUCKETED[type(cache)]
             cache._kvstate_bucket = bucket
-        yield
+        if model is not None and _kernel_enabled():
+            with attention_routed(model) as routed:
+                bucket.kernel = routed  # a model with no routable attention keeps the buckets
+                yield
+        else:
+            yield
     finally:
         for cache, cls in patched:
             cache.__class__ = cls

@@ -69,7 +69,7 @@ def chain(
     # a one-token forward but its structure (mlx-vlm's pooled caches do: they go by calls).
     befores = [layer if _own_stamp(layer) else None for layer in state.layers]
     del state
-    with buckets.bucketing(caches) if buckets.enabled(width) else nullcontext():
+    with buckets.bucketing(caches, m.model) if buckets.enabled(width) else nullcontext():
         logits = m.model(ids, cache=caches)
     vocab = m.vocab_size
     lasts, picks, outside = [], [], []

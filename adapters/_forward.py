@@ -69,7 +69,7 @@ def run(
     sink: list[mx.array] | None = None
     with ExitStack() as scope:
         if buckets.enabled(width):
-            scope.enter_context(buckets.bucketing(caches))
+            scope.enter_context(buckets.bucketing(caches, model))
         if capture and not any(c.lengths is not None for c in arrays_caches(caches)):
             records = scope.enter_context(recording(mixers or [], caches))
         if projections is not None:

@@ -1,19 +1,25 @@
-"""Routing a model's attention to kvstate's quantized attention, without changing mlx-lm.
+"""Routing a model's attention to kvstate's own, without changing mlx-lm.
 
 mlx-lm's attention modules call the module-level `scaled_dot_product_attention(queries,
 keys, values, cache=..., scale=..., mask=...)` of `mlx_lm.models.base`, which sends a cache
 with `bits` to its own quantized attention (one bits for keys and values, no rotation).
-`route_attention(model)` gives each attention module instance of `model` a subclass whose
-methods are copies of mlx-lm's own, reading under that name a function that sends a
-`QuantizedStateCache` to `cache.attend` (kvstate's `quantized_attention`) and every other
-cache to mlx-lm's function, unchanged. mlx-lm's classes and modules are left untouched, and
-other instances of the same classes are not affected.
+A routed attention module gets a subclass whose methods are copies of mlx-lm's own, reading
+under that name a function that looks the cache's class up in `ROUTES`: a
+`QuantizedStateCache` goes to `cache.attend` (kvstate's `quantized_attention`), the caches of
+a CUDA verify forward to the verify kernel (`_buckets`), every other cache to mlx-lm's
+function, unchanged. mlx-lm's classes and modules are left untouched, and other instances of
+the same classes are not affected.
+
+`route_attention(model)` routes a model for good (a QuantizedKV state needs it at every
+step); `attention_routed(model)` routes it for the length of one forward (a verify), so that
+decode steps keep mlx-lm's function with no lookup in between.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.nn as nn
@@ -28,18 +34,35 @@ _ROUTED = "_kvstate_attention_routed"  # set on a routed model (an nn.Module is 
 _CLASSES: dict[type, type] = {}
 
 
+# (queries, keys, values, cache, scale, mask, sinks) -> output, or None for mlx-lm's function
+Route = Callable[[Any, Any, Any, Any, float, Any, Any], Any]
+ROUTES: dict[type, Route] = {}
+
+
+def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+               sinks: Any) -> Any:  # fmt: skip
+    if sinks is not None:
+        raise ValueError("kvstate's quantized attention does not support attention sinks")
+    return cache.attend(queries, scale, mask)
+
+
+ROUTES[QuantizedStateCache] = _quantized
+
+
 def _routing(original: Callable[..., Any]) -> Callable[..., Any]:
     def scaled_dot_product_attention(
         queries: Any, keys: Any, values: Any, *args: Any, **kw: Any
     ) -> Any:
         cache = args[0] if args else kw.get("cache")
-        if not isinstance(cache, QuantizedStateCache):
+        route = ROUTES.get(type(cache))
+        if route is None:
             return original(queries, keys, values, *args, **kw)
         names = ("scale", "mask", "sinks")
         given = dict(zip(names, args[1:], strict=False)) | {k: kw[k] for k in names if k in kw}
-        if given.get("sinks") is not None:
-            raise ValueError("kvstate's quantized attention does not support attention sinks")
-        return cache.attend(queries, given["scale"], given.get("mask"))
+        out = route(
+            queries, keys, values, cache, given["scale"], given.get("mask"), given.get("sinks")
+        )
+        return original(queries, keys, values, *args, **kw) if out is None else out
 
     return scaled_dot_product_attention
 
@@ -81,6 +104,31 @@ def route_attention(model: nn.Module) -> nn.Module:
             module.__class__ = routed
     object.__setattr__(model, _ROUTED, True)
     return model
+
+
+_MODULES = "_kvstate_attention_modules"  # a model's routable modules, found once
+
+
+@contextmanager
+def attention_routed(model: nn.Module) -> Iterator[bool]:
+    """Route `model`'s attention modules for the length of the block (those routed for good
+    stay so); yields whether it has any."""
+    modules = getattr(model, _MODULES, None)
+    if modules is None:
+        modules = [m for m in model.modules() if _routed_class(type(m)) is not None]
+        object.__setattr__(model, _MODULES, modules)
+    swapped = []
+    try:
+        for module in modules:
+            cls = type(module)
+            routed = None if getattr(cls, "_kvstate_routed", False) else _routed_class(cls)
+            if routed is not None:
+                module.__class__ = routed
+                swapped.append((module, cls))
+        yield bool(modules)
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def needs_routing(model: nn.Module, caches: list[Any]) -> bool:

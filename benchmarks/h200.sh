@@ -39,6 +39,13 @@ case "$part" in
   decode)
     step 150 decode python3 benchmarks/verify.py --only decode
     ;;
+  launch)  # a verify forward's host time by attention path (buckets, cuDNN, the verify kernel)
+    step 200 verify-launch python3 benchmarks/verify_launch.py
+    ;;
+  kernel-tests)  # the verify kernel and what routes to it
+    step 200 kernel-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
+      tests/test_buckets.py tests/test_chain.py tests/test_kept_caches.py tests/test_speculative.py
+    ;;
   overhead)
     step 90 decode-overhead python3 benchmarks/decode_overhead.py --reps 40
     ;;
@@ -57,6 +64,6 @@ case "$part" in
     step 300 trees env MLX_ENABLE_TF32=0 python3 benchmarks/tree_generate.py --size large \
       --models "${MODELS:-llama,qwen3_next}" --reps 3
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests]"; exit 2 ;;
 esac
 done

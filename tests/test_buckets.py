@@ -16,12 +16,12 @@ from kvstate.adapters.tiny_models import tiny_model
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 1, 2], [5, 6, 7], [9, 10, 11, 12, 13, 14]]
 
 
-def run_both(monkeypatch, name: str, steps) -> list[tuple[np.ndarray, np.ndarray]]:
+def run_both(monkeypatch, name: str, steps, **config) -> list[tuple[np.ndarray, np.ndarray]]:
     """`steps(m)` -> logits, with bucketing off and on."""
     out = []
     for force in (False, True):
         monkeypatch.setattr(buckets, "FORCE", force)
-        out.append([np.array(x) for x in steps(wrap(tiny_model(name)))])
+        out.append([np.array(x) for x in steps(wrap(tiny_model(name, **config)))])
     return list(zip(*out, strict=True))
 
 
@@ -63,3 +63,98 @@ def test_buckets_cover_the_keys_and_the_classes_come_back(monkeypatch):
     assert seen[-1][0] is None
     assert all(type(c) in (KVCache, BatchKVCache) for c in make_prompt_cache(model))
     assert type(ks.adapters.to_mlx_lm(state)[0]) is KVCache
+
+
+# -- the verify kernel route (`_verify_attention`; on the CPU it is MLX's own attention with
+# mlx-lm's "causal" mask, so these check the routing; the kernel itself is checked against
+# MLX's attention on CUDA below) ---------------------------------------------------------
+
+
+def counting_kernel(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shapes the verify attention is called with, from now on."""
+    calls: list[tuple[int, ...]] = []
+    original = buckets.verify_attention
+
+    def spy(queries, keys, values, scale):
+        calls.append(tuple(queries.shape))
+        return original(queries, keys, values, scale)
+
+    monkeypatch.setattr(buckets, "verify_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_verify_kernel_route_gives_the_exact_logits_and_checkpoints(monkeypatch, name):
+    """Batch-1 verifies of 2..9 tokens through the routed attention equal the same forwards
+    without any bucketing (mlx-lm's own attention at the exact length), and every attention
+    layer of every verify went through the route; decode steps did not."""
+    monkeypatch.setattr(buckets, "KERNEL", True)
+
+    def steps(m):
+        _, state = m(mx.array([PROMPTS[0]]), m.init_state())
+        out = []
+        for width in (2, 5, 9):
+            logits, after, checkpoints = m(
+                mx.array([list(range(3, 3 + width))]), state, capture=True
+            )
+            state = ks.commit_prefix(after, width - 1, checkpoints)
+            step, state = m(mx.array([[7]]), state)
+            out += [logits, step, *ks.tree_flatten(state)[0]]
+        return out
+
+    calls = counting_kernel(monkeypatch)
+    for exact, routed in run_both(monkeypatch, name, steps, head_dim=32):
+        np.testing.assert_allclose(routed, exact, rtol=1e-4, atol=1e-4)
+    args = tiny_model(name).args
+    attention = args.num_hidden_layers // getattr(args, "full_attention_interval", 1)
+    # The prompt (10 tokens, an empty cache) is a prefill: bucketed, not routed.
+    assert [c[2] for c in calls] == [2] * attention + [5] * attention + [9] * attention
+
+
+def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take(monkeypatch):
+    monkeypatch.setattr(buckets, "FORCE", True)
+    monkeypatch.setattr(buckets, "KERNEL", True)
+    calls = counting_kernel(monkeypatch)
+    model = tiny_model("llama", head_dim=32)
+    attention_class = type(model.model.layers[0].self_attn)
+    m = wrap(model)
+    _, state = m(mx.array([PROMPTS[0]]), m.init_state())
+    _, state = m(mx.array([[1, 2, 3]]), state)
+    assert len(calls) == model.args.num_hidden_layers
+    assert type(model.model.layers[0].self_attn) is attention_class  # routed for one forward
+    # Longer than MAX_QUERIES: MLX's attention over the buckets.
+    m(mx.array([list(range(buckets.MAX_QUERIES + 1))]), state)
+    # A ragged batch (left padding: an array mask) and a tree (its own mask) keep the buckets.
+    batch = ks.merge([m(mx.array([p]), m.init_state())[1] for p in PROMPTS])
+    m(mx.array([[1, 2, 3]] * 3), batch)
+    m.tree_forward(mx.array([[1, 2, 3]]), state, [-1, 0, 0])
+    # A sliding window (gemma3_text's local layers ask for window_size): buckets for those.
+    gemma = wrap(tiny_model("gemma3_text", head_dim=32))
+    _, g = gemma(mx.array([PROMPTS[0]]), gemma.init_state())
+    gemma(mx.array([[1, 2, 3]]), g)
+    assert len(calls) == model.args.num_hidden_layers + sum(
+        type(c) is KVCache for c in make_prompt_cache(gemma.model)
+    )
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the verify kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, tokens, keys, dim",
+    [(1, 16, 8, 5, 1029, 128), (1, 4, 4, 1, 300, 64), (2, 8, 2, 9, 17, 256), (3, 6, 3, 32, 40, 96),
+     (1, 8, 1, 17, 2100, 128)],
+)  # fmt: skip
+def test_verify_kernel_equals_mlx_attention(dtype, batch, heads, kv_heads, tokens, keys, dim):
+    from kvstate.adapters._verify_attention import verify_attention
+
+    rng = np.random.default_rng(tokens + keys)
+    q = mx.array(rng.standard_normal((batch, heads, tokens, dim)), dtype)
+    # Keys and values as a cache's fetch gives them: a slice of a longer buffer.
+    k = mx.array(rng.standard_normal((batch, kv_heads, keys + 40, dim)), dtype)[..., :keys, :]
+    v = mx.array(rng.standard_normal((batch, kv_heads, keys + 40, dim)), dtype)[..., :keys, :]
+    got = verify_attention(q, k, v, dim**-0.5).astype(mx.float32)
+    want = mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=dim**-0.5, mask="causal" if tokens > 1 else None
+    ).astype(mx.float32)
+    tol = 2e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
