@@ -113,6 +113,9 @@ _MODULES = "_kvstate_attention_modules"  # a model's routable modules, found onc
 def attention_routed(model: nn.Module) -> Iterator[bool]:
     """Route `model`'s attention modules for the length of the block (those routed for good
     stay so); yields whether it has any."""
+    if not isinstance(model, nn.Module):  # mlx-vlm's language step: its own attention
+        yield False
+        return
     modules = getattr(model, _MODULES, None)
     if modules is None:
         modules = [m for m in model.modules() if _routed_class(type(m)) is not None]
