@@ -46,6 +46,15 @@ case "$part" in
     step 200 kernel-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
       tests/test_buckets.py tests/test_chain.py tests/test_kept_caches.py tests/test_speculative.py
     ;;
+  sampled-300)  # the 300-row sampled generation test, with and without bucketing (a CUDA graph error)
+    for force in None False; do
+      step 60 "sampled-300-force-$force" env MLX_ENABLE_TF32=0 python3 -c "import sys, pytest
+from kvstate.adapters import _buckets as b
+b.FORCE = $force
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x',
+  'tests/test_speculative.py::test_sampled_generation_matches_the_target_distribution']))"
+    done
+    ;;
   overhead)
     step 90 decode-overhead python3 benchmarks/decode_overhead.py --reps 40
     ;;
@@ -64,6 +73,6 @@ case "$part" in
     step 300 trees env MLX_ENABLE_TF32=0 python3 benchmarks/tree_generate.py --size large \
       --models "${MODELS:-llama,qwen3_next}" --reps 3
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300]"; exit 2 ;;
 esac
 done
