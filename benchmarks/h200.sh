@@ -65,6 +65,10 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x',
     step 200 spec-llama python3 benchmarks/verify.py --only spec decode --models llama --ps 0.8 --ks 2 4 8 \
       --tokens 400
     ;;
+  spec-all)  # decode (per-step wrap and m.chain blocks) and p = 0.8, K = 4 on all three models
+    step 400 spec-all python3 benchmarks/verify.py --only decode spec --models llama qwen3_next nemotron_h \
+      --ps 0.8 --ks 4 --tokens 400
+    ;;
   drafters)
     step 240 speculative env MLX_ENABLE_TF32=0 python3 benchmarks/speculative.py --sizes large --ks 4 --reps 3 \
       --seeds "${SEEDS:-0}"
@@ -73,6 +77,6 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x',
     step 300 trees env MLX_ENABLE_TF32=0 python3 benchmarks/tree_generate.py --size large \
       --models "${MODELS:-llama,qwen3_next}" --reps 3
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all]"; exit 2 ;;
 esac
 done
