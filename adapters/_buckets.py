@@ -31,7 +31,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
 from ._quantized_attention import ROUTES, attention_routed
-from ._verify_attention import MAX_QUERIES, supported, verify_attention
+from ._verify_attention import MAX_QUERIES, attention_for_device, supported
 
 STEP = 256
 FORCE: bool | None = None  # tests set True to bucket on any device
@@ -52,11 +52,12 @@ def _kernel_enabled() -> bool:
 
 class Bucket:
     """The key length every dense cache of one forward attends over (None: exact), and
-    whether the model's attention is routed to the verify kernel for this forward."""
+    the verify attention the model's attention is routed to for this forward (None: not
+    routed)."""
 
     def __init__(self) -> None:
         self.width: int | None = None
-        self.kernel = False
+        self.kernel: Any = None
 
 
 def _width(end: int) -> int:
@@ -102,7 +103,7 @@ def _kernel_takes(cache: Any, tokens: int, return_array: bool, window_size: Any)
     again, with the queries, where the attention is routed)."""
     keys = cache.keys
     return (
-        cache._kvstate_bucket.kernel
+        cache._kvstate_bucket.kernel is not None
         and not return_array
         and window_size is None
         and tokens <= MAX_QUERIES
@@ -146,9 +147,10 @@ def _verify_route(queries: Any, keys: Any, values: Any, cache: Any, scale: float
                   sinks: Any) -> Any:  # fmt: skip
     """The routed attention of a `_BucketedKV` (see `_quantized_attention.ROUTES`): the verify
     kernel for a plain causal mask, else None (mlx-lm's function, bucketed mask and all)."""
-    takes = isinstance(mask, str) and mask == "causal" and sinks is None
-    if takes and cache._kvstate_bucket.kernel and supported(queries, keys):
-        return verify_attention(queries, keys, values, scale)
+    attend = cache._kvstate_bucket.kernel
+    causal = isinstance(mask, str) and mask == "causal"
+    if causal and sinks is None and attend is not None and supported(queries, keys):
+        return attend(queries, keys, values, scale)
     return None
 
 
@@ -170,7 +172,8 @@ def bucketing(caches: list[Any], model: Any = None) -> Iterator[None]:
             cache._kvstate_bucket = bucket
         if model is not None and _kernel_enabled():
             with attention_routed(model) as routed:
-                bucket.kernel = routed  # a model with no routable attention keeps the buckets
+                # A model with no routable attention keeps the buckets.
+                bucket.kernel = attention_for_device() if routed else None
                 yield
         else:
             yield

@@ -57,11 +57,10 @@ def _routing(original: Callable[..., Any]) -> Callable[..., Any]:
         route = ROUTES.get(type(cache))
         if route is None:
             return original(queries, keys, values, *args, **kw)
-        names = ("scale", "mask", "sinks")
-        given = dict(zip(names, args[1:], strict=False)) | {k: kw[k] for k in names if k in kw}
-        out = route(
-            queries, keys, values, cache, given["scale"], given.get("mask"), given.get("sinks")
-        )
+        if args:  # positional (mlx-lm's modules pass keywords: the common case below)
+            names = ("cache", "scale", "mask", "sinks")
+            kw = dict(zip(names, args, strict=False)) | kw
+        out = route(queries, keys, values, cache, kw["scale"], kw.get("mask"), kw.get("sinks"))
         return original(queries, keys, values, *args, **kw) if out is None else out
 
     return scaled_dot_product_attention

@@ -16,6 +16,7 @@ keys 0 .. L - T + t (mlx-lm's bottom-right causal mask). float32 accumulation.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -130,41 +131,63 @@ _SOURCE = """
 MAX_QUERIES = 32  # longer forwards (prefills) go to MLX's attention: this one has no tiling
 
 
+_DTYPES = frozenset({mx.bfloat16, mx.float16, mx.float32})
+
+
 def supported(queries: mx.array, keys: mx.array) -> bool:
     """Whether the kernel takes these: at most MAX_QUERIES query tokens, head dims a multiple
     of 32 up to 256, query heads a multiple of the key heads, at least as many keys as
-    queries, one floating dtype."""
-    _, heads, tokens, dim = queries.shape
+    queries, one floating dtype. (Every attention layer of a verify asks: kept cheap.)"""
+    q, k = queries.shape, keys.shape
+    dtype = queries.dtype
     return (
-        tokens <= MAX_QUERIES
-        and dim % 32 == 0
-        and dim <= 256
-        and keys.shape[-1] == dim
-        and heads % keys.shape[1] == 0
-        and keys.shape[2] >= tokens
-        and queries.dtype == keys.dtype
-        and queries.dtype in (mx.bfloat16, mx.float16, mx.float32)
+        q[2] <= MAX_QUERIES
+        and q[3] % 32 == 0
+        and q[3] <= 256
+        and k[3] == q[3]
+        and q[1] % k[1] == 0
+        and k[2] >= q[2]
+        and dtype == keys.dtype
+        and dtype in _DTYPES
     )
+
+
+def attention_for_device() -> Callable[[mx.array, mx.array, mx.array, float], mx.array]:
+    """The verify attention for the default device: the kernel on CUDA; elsewhere MLX's own
+    attention with mlx-lm's "causal" mask (the same function; tests route through it)."""
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        return verify_attention
+    return _causal_attention
 
 
 def verify_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """softmax(q k^T * scale, bottom-right causal) v for q (B, Hq, T, D), k and v
-    (B, Hkv, L, D) with L >= T (see `supported`); (B, Hq, T, D) in q's dtype. The kernel on
-    CUDA; elsewhere MLX's own attention with mlx-lm's "causal" mask (the same function)."""
-    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask="causal"
-        )
+    (B, Hkv, L, D) with L >= T (see `supported`); (B, Hq, T, D) in q's dtype. CUDA only."""
     B, Hq, T, D = queries.shape
+    dtype = queries.dtype
     (out,) = _kernel()(
-        inputs=[queries, keys, values, _scale(float(scale))],
-        template=[("InT", queries.dtype), ("D", D), ("W", WARPS)],
+        inputs=[queries, keys, values, _scale(scale)],
+        template=_template(dtype, D),
         grid=(32 * WARPS * Hq, T, B),
-        threadgroup=(32 * WARPS, 1, 1),
+        threadgroup=_THREADGROUP,
         output_shapes=[(B, Hq, T, D)],
-        output_dtypes=[queries.dtype],
+        output_dtypes=[dtype],
     )
     return out
+
+
+def _causal_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float
+) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+
+
+_THREADGROUP = (32 * WARPS, 1, 1)
+
+
+@functools.cache
+def _template(dtype: mx.Dtype, dim: int) -> list[tuple[str, Any]]:
+    return [("InT", dtype), ("D", dim), ("W", WARPS)]
 
 
 @functools.cache

@@ -74,13 +74,18 @@ def test_buckets_cover_the_keys_and_the_classes_come_back(monkeypatch):
 def counting_kernel(monkeypatch) -> list[tuple[int, ...]]:
     """The query shapes the verify attention is called with, from now on."""
     calls: list[tuple[int, ...]] = []
-    original = buckets.verify_attention
+    chosen = buckets.attention_for_device
 
-    def spy(queries, keys, values, scale):
-        calls.append(tuple(queries.shape))
-        return original(queries, keys, values, scale)
+    def spying():
+        original = chosen()
 
-    monkeypatch.setattr(buckets, "verify_attention", spy)
+        def spy(queries, keys, values, scale):
+            calls.append(tuple(queries.shape))
+            return original(queries, keys, values, scale)
+
+        return spy
+
+    monkeypatch.setattr(buckets, "attention_for_device", spying)
     return calls
 
 
