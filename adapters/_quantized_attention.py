@@ -57,10 +57,13 @@ def _routing(original: Callable[..., Any]) -> Callable[..., Any]:
         route = ROUTES.get(type(cache))
         if route is None:
             return original(queries, keys, values, *args, **kw)
-        if args:  # positional (mlx-lm's modules pass keywords: the common case below)
-            names = ("cache", "scale", "mask", "sinks")
-            kw = dict(zip(names, args, strict=False)) | kw
-        out = route(queries, keys, values, cache, kw["scale"], kw.get("mask"), kw.get("sinks"))
+        # mlx-lm's modules pass keywords; positional arguments are named first.
+        given = (
+            dict(zip(("cache", "scale", "mask", "sinks"), args, strict=False)) | kw if args else kw
+        )
+        out = route(
+            queries, keys, values, cache, given["scale"], given.get("mask"), given.get("sinks")
+        )
         return original(queries, keys, values, *args, **kw) if out is None else out
 
     return scaled_dot_product_attention

@@ -21,7 +21,9 @@ from typing import Any
 
 import mlx.core as mx
 
-WARPS = 32  # warps per block, each taking every WARPS-th key (MLX's own vector kernel's shape)
+# Warps per block, each taking every WARPS-th key (MLX's own vector kernel's shape). Must be
+# 32: in the combine, warp w writes elements w * E .. w * E + E - 1 of the D = 32 * E outputs.
+WARPS = 32
 
 _HEADER = """
 __device__ __forceinline__ float kvstate_attn_warp_sum(float x) {

@@ -164,3 +164,25 @@ def test_verify_kernel_equals_mlx_attention(dtype, batch, heads, kv_heads, token
     ).astype(mx.float32)
     tol = 2e-5 if dtype == mx.float32 else 2e-2
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
+
+
+def test_routed_attention_passes_its_arguments_through(monkeypatch):
+    """The routed function hands a route (scale, mask, sinks) however the model passed them,
+    and calls mlx-lm's function with exactly the caller's arguments when the route declines."""
+    from kvstate.adapters import _quantized_attention as routing
+
+    class Cache:
+        pass
+
+    seen = []
+    monkeypatch.setitem(routing.ROUTES, Cache, lambda q, k, v, c, *rest: seen.append(rest))
+    calls = []
+    routed = routing._routing(lambda *args, **kw: calls.append((args, kw)) or "mlx-lm")
+    cache = Cache()
+    assert routed(1, 2, 3, cache, 0.5, "causal") == "mlx-lm"
+    assert routed(1, 2, 3, cache=cache, scale=0.25, mask=None, sinks=7) == "mlx-lm"
+    assert seen == [(0.5, "causal", None), (0.25, None, 7)]
+    assert calls == [
+        ((1, 2, 3, cache, 0.5, "causal"), {}),
+        ((1, 2, 3), {"cache": cache, "scale": 0.25, "mask": None, "sinks": 7}),
+    ]
