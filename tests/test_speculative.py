@@ -57,6 +57,28 @@ def test_a_ragged_batch_decodes_exactly_like_greedy(name):
     assert drafted > 0
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "nemotron_h", "gemma3_text"])
+def test_prompts_of_one_length_prefill_as_one_batch_and_decode_like_greedy(name, monkeypatch):
+    """Prompts of one length run as one batched forward (one call of the target for the
+    prompts, not one each); every row still decodes mlx-lm's greedy tokens."""
+    prompts = [[3, 17, 42, 99, 7], [100, 101, 102, 5, 6], [7, 7, 40, 41, 42]]
+    model = tiny_model(name)
+    truth = [greedy(model, p, NEW + 9) for p in prompts]
+    target = wrap(model)
+    widths: list[tuple[int, int]] = []
+    original = type(target).__call__
+
+    def counted(self, tokens, state, **kw):
+        widths.append(tuple(mx.array(tokens).shape))
+        return original(self, tokens, state, **kw)
+
+    monkeypatch.setattr(type(target), "__call__", counted)
+    out, drafted = run(target, prompts, ScriptedDrafter(truth, 0.5), 4)
+    assert out == [t[:NEW] for t in truth]
+    assert widths[0] == (3, 5) and (1, 5) not in widths  # verifies are (3, 5) too
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
 @pytest.mark.parametrize("p", [0.0, 1.0, 0.6])
 @pytest.mark.parametrize("k", [1, 8])

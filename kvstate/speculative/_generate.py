@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
+from .._composite import ModelState
 from .._errors import CommitError, StateError, TokenError
 from .._transforms import capabilities, commit_prefix, filter, merge
 from .._tree import host_ints
@@ -74,11 +75,9 @@ def generate(
     group = group_of(target)  # a distributed model's ranks must decide alike; None: one process
     # A drafter with `uses_hidden` (MTP heads) also gets the target's final hidden states.
     extra = {"hidden": True} if getattr(drafter, "uses_hidden", False) else {}
-    starts = [target(mx.array([list(p)]), target.init_state(), **extra) for p in prompts]
-    state = starts[0][1] if len(starts) == 1 else merge([s[1] for s in starts])
-    logits = mx.concatenate([s[0][:, -1] for s in starts])
+    logits, state, hiddens = _prefill(target, prompts, extra)
     if drafter is not None:
-        seen = {"hidden": [s[2] for s in starts]} if extra else {}
+        seen = {"hidden": hiddens} if extra else {}
         drafter.start([list(p) for p in prompts], **seen)
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints, so a verify of attention-only targets skips them.
@@ -229,6 +228,28 @@ def _check_tree_mode(tree: str, prompts: Sequence[Sequence[int]], drafter: Any) 
             "generate: tree verification does not feed hidden states; an MTP-style drafter "
             "drafts linearly (drop tree=)"
         )
+
+
+def _prefill(
+    target: Any, prompts: Sequence[Sequence[int]], extra: dict[str, bool]
+) -> tuple[mx.array, ModelState, list[mx.array]]:
+    """Each row's last logits (B, vocab), the batched state, and with `extra` each prompt's
+    hidden states (1, n, D). Prompts of one length run as one batch; otherwise each prompt
+    runs alone and the states are merged (left-padded). Not a right-padded batch with
+    `lengths=`: mlx-lm's nemotron_h mixers leave a wrong state in a right-padded row (its own
+    prepare / finalize give the same: BENCHMARKS.md, Findings)."""
+    if len({len(p) for p in prompts}) == 1:
+        logits, state, *hidden = target(
+            mx.array([list(p) for p in prompts]), target.init_state(len(prompts)), **extra
+        )
+        return (
+            logits[:, -1],
+            state,
+            [hidden[0][b : b + 1] for b in range(len(prompts))] if hidden else [],
+        )
+    starts = [target(mx.array([list(p)]), target.init_state(), **extra) for p in prompts]
+    logits = mx.concatenate([s[0][:, -1] for s in starts])
+    return logits, merge([s[1] for s in starts]), [s[2] for s in starts] if extra else []
 
 
 def _sample(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, list[int]]:
