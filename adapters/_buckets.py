@@ -12,7 +12,7 @@ and only when the model asks one of them for its mask: a model that builds its o
 the exact key length, as before. All dense caches of a forward share one `Bucket`, since a
 model computes one mask (from one cache) for all its attention layers.
 
-A verify of up to `MAX_QUERIES` tokens over a `KVCache` whose mask is mlx-lm's plain causal
+A verify of up to `_verify_attention.MAX_QUERIES` tokens over a `KVCache` whose mask is mlx-lm's plain causal
 one skips the buckets on CUDA: the model's attention is routed for that forward
 (`attention_routed`) to kvstate's verify kernel (`_verify_attention`), which reads the exact
 key length with no per-length cost and launches one kernel per layer where cuDNN (or, in
@@ -30,8 +30,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
-from ._quantized_attention import ROUTES, attention_routed
-from ._verify_attention import MAX_QUERIES, attention_for_device, supported
+from ._attention_routing import ROUTES, attention_routed
+from ._verify_attention import attention_for_device, supported, takes
 
 STEP = 256
 FORCE: bool | None = None  # tests set True to bucket on any device
@@ -106,10 +106,8 @@ def _kernel_takes(cache: Any, tokens: int, return_array: bool, window_size: Any)
         cache._kvstate_bucket.kernel is not None
         and not return_array
         and window_size is None
-        and tokens <= MAX_QUERIES
         and keys is not None
-        and keys.shape[-1] % 32 == 0
-        and keys.shape[-1] <= 256
+        and takes(tokens, keys.shape[-1])
     )
 
 
@@ -145,7 +143,7 @@ class _BucketedBatchKV(BatchKVCache):
 
 def _verify_route(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                   sinks: Any) -> Any:  # fmt: skip
-    """The routed attention of a `_BucketedKV` (see `_quantized_attention.ROUTES`): the verify
+    """The routed attention of a `_BucketedKV` (see `_attention_routing.ROUTES`): the verify
     kernel for a plain causal mask, else None (mlx-lm's function, bucketed mask and all)."""
     attend = cache._kvstate_bucket.kernel
     causal = isinstance(mask, str) and mask == "causal"

@@ -21,11 +21,11 @@ from kvstate import ModelState, RecurrentState
 from kvstate.kinds import Composite, record_forward
 
 from . import _buckets as buckets
+from ._attention_routing import needs_routing, route_attention
 from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
 from ._convert import CONVERTERS as _CONVERTERS
 from ._convert import converter_of, to_cache
 from ._hidden import Projection, hidden_states, recording_hidden
-from ._quantized_attention import needs_routing, route_attention
 
 
 class Forward(NamedTuple):

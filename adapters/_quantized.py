@@ -9,7 +9,7 @@ fixed on the instance: mlx-lm 0.32 allocates `dim // (32 // bits)` uint32 words 
 (not a subclass) so that mlx-lm's `save_prompt_cache` records the class `QuantizedKVCache`.
 
 Every other QuantizedKV becomes a `QuantizedStateCache`, whose attention is kvstate's
-`quantized_attention` (see `_quantized_attention.route_attention`: the wrapped model's
+`quantized_attention` (see `_attention_routing.route_attention`: the wrapped model's
 attention modules are routed to it; mlx-lm's own quantized attention has one bits for keys
 and values and knows no rotation).
 """

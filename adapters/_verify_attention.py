@@ -136,16 +136,20 @@ MAX_QUERIES = 32  # longer forwards (prefills) go to MLX's attention: this one h
 _DTYPES = frozenset({mx.bfloat16, mx.float16, mx.float32})
 
 
+def takes(tokens: int, dim: int) -> bool:
+    """Whether the kernel takes `tokens` queries of head dim `dim`: at most MAX_QUERIES, a
+    multiple of 32 up to 256."""
+    return tokens <= MAX_QUERIES and dim % 32 == 0 and dim <= 256
+
+
 def supported(queries: mx.array, keys: mx.array) -> bool:
-    """Whether the kernel takes these: at most MAX_QUERIES query tokens, head dims a multiple
-    of 32 up to 256, query heads a multiple of the key heads, at least as many keys as
-    queries, one floating dtype. (Every attention layer of a verify asks: kept cheap.)"""
+    """Whether the kernel takes these: `takes` their sizes, query heads a multiple of the key
+    heads, at least as many keys as queries, one floating dtype. (Every attention layer of a
+    verify asks: kept cheap.)"""
     q, k = queries.shape, keys.shape
     dtype = queries.dtype
     return (
-        q[2] <= MAX_QUERIES
-        and q[3] % 32 == 0
-        and q[3] <= 256
+        takes(q[2], q[3])
         and k[3] == q[3]
         and q[1] % k[1] == 0
         and k[2] >= q[2]

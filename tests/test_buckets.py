@@ -11,6 +11,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 import kvstate as ks
 from kvstate.adapters import _buckets as buckets
 from kvstate.adapters import wrap
+from kvstate.adapters._verify_attention import MAX_QUERIES
 from kvstate.adapters.tiny_models import tiny_model
 
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 1, 2], [5, 6, 7], [9, 10, 11, 12, 13, 14]]
@@ -130,7 +131,7 @@ def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take
     assert len(calls) == model.args.num_hidden_layers
     assert type(model.model.layers[0].self_attn) is attention_class  # routed for one forward
     # Longer than MAX_QUERIES: MLX's attention over the buckets.
-    m(mx.array([list(range(buckets.MAX_QUERIES + 1))]), state)
+    m(mx.array([list(range(MAX_QUERIES + 1))]), state)
     # A ragged batch (left padding: an array mask) and a tree (its own mask) keep the buckets.
     batch = ks.merge([m(mx.array([p]), m.init_state())[1] for p in PROMPTS])
     m(mx.array([[1, 2, 3]] * 3), batch)
@@ -170,7 +171,7 @@ def test_verify_kernel_equals_mlx_attention(dtype, batch, heads, kv_heads, token
 def test_routed_attention_passes_its_arguments_through(monkeypatch):
     """The routed function hands a route (scale, mask, sinks) however the model passed them,
     and calls mlx-lm's function with exactly the caller's arguments when the route declines."""
-    from kvstate.adapters import _quantized_attention as routing
+    from kvstate.adapters import _attention_routing as routing
 
     class Cache:
         pass

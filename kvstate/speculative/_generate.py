@@ -242,11 +242,8 @@ def _prefill(
         logits, state, *hidden = target(
             mx.array([list(p) for p in prompts]), target.init_state(len(prompts)), **extra
         )
-        return (
-            logits[:, -1],
-            state,
-            [hidden[0][b : b + 1] for b in range(len(prompts))] if hidden else [],
-        )
+        hiddens = [hidden[0][b : b + 1] for b in range(len(prompts))] if hidden else []
+        return logits[:, -1], state, hiddens
     starts = [target(mx.array([list(p)]), target.init_state(), **extra) for p in prompts]
     logits = mx.concatenate([s[0][:, -1] for s in starts])
     return logits, merge([s[1] for s in starts]), [s[2] for s in starts] if extra else []

@@ -148,10 +148,15 @@ class ModelDrafter:
         return state
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
-        if isinstance(self._proposal, Branches):
-            self._accept_branch(self._proposal, fed, kept)
-            return
-        proposal, self._proposal, self.pending = self._proposal, None, None
+        proposal = self._proposal
+        if isinstance(proposal, Branches):  # after a tree round: the kept branch's row
+            branch = _kept_branch(proposal, fed, kept)
+            if branch is None:  # not a proposed path: the kept tokens again
+                self._proposal, self.pending = None, None
+                self._run_kept(fed, kept, proposal.pending)
+                return
+            proposal = branch
+        self._proposal, self.pending = None, None
         uniform = len(set(kept)) == 1
         if proposal is not None and uniform and kept[0] >= proposal.k:
             self.state = proposal.after
@@ -222,43 +227,6 @@ class ModelDrafter:
         self._proposal = Branches(after, [paths[b] for b in live], live, prefix, k)
         return DraftTree(*tree_of_paths([paths[b] for b in live]))
 
-    def _accept_branch(self, proposal: Branches, fed: mx.array, kept: list[int]) -> None:
-        """After a tree verify: the row of the branch the target kept, rolled back to the
-        kept tokens like a linear round's proposing state (or the kept tokens re-run)."""
-        if len(kept) != 1 or fed.shape[0] != 1:
-            raise StateError(
-                f"ModelDrafter.accept: a tree proposal takes one row; got fed {fed.shape}, "
-                f"kept {kept}"
-            )
-        n = as_int(kept[0], "ModelDrafter.accept: kept", StateError)
-        if not 1 <= n <= min(fed.shape[1], proposal.k + 1):
-            raise StateError(
-                f"ModelDrafter.accept: kept {n} of {fed.shape[1]} fed tokens after a depth-"
-                f"{proposal.k} tree; it must be 1 .. {min(fed.shape[1], proposal.k + 1)}"
-            )
-        # Checked before anything changes: a refused accept leaves the drafter as it was.
-        self._proposal, self.pending = None, None
-        drafts = cast(list[int], fed[0, 1:n].tolist())
-        path = matching_path(proposal, drafts)
-        if path is None:  # not a proposed path: the kept tokens again, from the state before
-            self._run_kept(fed, kept, proposal.pending)
-            return
-        branch = _Proposed(
-            None,
-            row_select(proposal.after, proposal.rows[path]),
-            mx.array([[proposal.paths[path][-1]]], mx.int32),
-            proposal.pending,
-            proposal.k,
-        )
-        if n >= proposal.k:  # the branch's proposing state holds every kept token
-            self.state = branch.after
-            if n == proposal.k + 1:
-                self.pending = branch.final_draft
-        elif self._trims:
-            self.state = _trimmed(branch, [n])
-        else:
-            self._run_kept(fed, kept, proposal.pending)
-
     def _run_kept(self, fed: mx.array, kept: list[int], pending: mx.array | None) -> None:
         """The kept tokens through the draft model again, from the state before the proposal."""
         assert self.state is not None, "a batch-1 trimmable proposal keeps no state before it"
@@ -289,6 +257,32 @@ def _drafted_by_calls(draft: Any, y: mx.array, state: Any, k: int, pick: Any) ->
         y = pick(logits[:, -1])
         tokens.append(y)
     return (tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)), state
+
+
+def _kept_branch(proposal: Branches, fed: mx.array, kept: list[int]) -> _Proposed | None:
+    """After a tree verify: the branch the target kept as a linear proposal of its row (then
+    rolled back like one), or None when the kept drafts are no proposed path. Refuses counts
+    a depth-k tree cannot keep, before anything changes."""
+    if len(kept) != 1 or fed.shape[0] != 1:
+        raise StateError(
+            f"ModelDrafter.accept: a tree proposal takes one row; got fed {fed.shape}, kept {kept}"
+        )
+    n = as_int(kept[0], "ModelDrafter.accept: kept", StateError)
+    if not 1 <= n <= min(fed.shape[1], proposal.k + 1):
+        raise StateError(
+            f"ModelDrafter.accept: kept {n} of {fed.shape[1]} fed tokens after a depth-"
+            f"{proposal.k} tree; it must be 1 .. {min(fed.shape[1], proposal.k + 1)}"
+        )
+    path = matching_path(proposal, cast(list[int], fed[0, 1:n].tolist()))
+    if path is None:
+        return None
+    return _Proposed(
+        None,
+        row_select(proposal.after, proposal.rows[path]),
+        mx.array([[proposal.paths[path][-1]]], mx.int32),
+        proposal.pending,
+        proposal.k,
+    )
 
 
 def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:

@@ -12,7 +12,7 @@ from .._errors import TokenError
 from ._drafter import DraftTree
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler
-from ._tree_verify import TreeVerdict, checked_tree, verify_tree
+from ._tree_verify import TreeVerdict, checked_tree, path_to, verify_tree
 
 TREE_MODES = ("tree", "paths")
 
@@ -67,16 +67,8 @@ def tree_round(
 def root_to_leaf_paths(tree: DraftTree) -> list[list[int]]:
     """Every root-to-leaf path of the tree as its tokens, leaves in tree order."""
     has_child = set(tree.parents)
-    paths = []
-    for leaf in range(len(tree.tokens)):
-        if leaf in has_child:
-            continue
-        path, at = [], leaf
-        while at != -1:
-            path.append(tree.tokens[at])
-            at = tree.parents[at]
-        paths.append(path[::-1])
-    return paths
+    leaves = [i for i in range(len(tree.tokens)) if i not in has_child]
+    return [[tree.tokens[n] for n in path_to(tree.parents, leaf)] for leaf in leaves]
 
 
 def _path_through(tree: DraftTree, paths: list[list[int]], nodes: list[int]) -> list[int]:

@@ -132,9 +132,12 @@ def _longest_agreeing(drafts: list[int], parents: list[int], best: list[int]) ->
         elif depth[p] and best[p + 1] == drafts[i]:
             depth[i] = depth[p] + 1
     deepest = max(range(len(drafts)), key=lambda i: (depth[i], -i))
-    if depth[deepest] == 0:
-        return []
-    path = [deepest]
+    return path_to(parents, deepest) if depth[deepest] else []
+
+
+def path_to(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes from a root down to `node` (parents listed first, -1 marks a root)."""
+    path = [node]
     while parents[path[-1]] != -1:
         path.append(parents[path[-1]])
     return path[::-1]
