@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 import kvstate as ks
@@ -253,29 +254,57 @@ def decode_block(decoder: Any, n: int) -> float:
     return time.perf_counter() - start
 
 
+class GeneratorDecoder:
+    """Tokens pulled from a streaming generator (kvstate's `generate` without a drafter, or
+    mlx-lm's `generate_step`), which pipelines its own steps."""
+
+    def __init__(self, tokens: Any) -> None:
+        self.tokens = tokens
+        self.y = None  # each token is read as it is pulled: nothing is left to wait for
+
+    def block(self, n: int) -> None:
+        for _ in range(n):
+            next(self.tokens)
+
+
 def decode_section(name: str, model: nn.Module, context: int, n: int) -> None:
-    """Raw and wrapped decoding in alternating blocks of 16 tokens (each continuing its own
-    sequence), so that the host's drift between calls (+-40% on the H200) hits both alike:
-    the figure is the median of the adjacent blocks' speed ratios."""
+    """Each contender decodes in blocks of 16 tokens (continuing its own sequence) that
+    alternate with its baseline's, so that the host's drift between calls (+-40% on the
+    H200) hits both alike: the figure is the median of the adjacent blocks' speed ratios.
+    Baselines: raw mlx-lm's pipelined loop, and for kvstate's generator (no drafter) mlx-lm's
+    own `generate_step` (both compute each token's log-probabilities)."""
+    from kvstate.speculative import generate
+
     prompt = random_ids(model, (1, context), 1)
     m = wrap(model)
     raw = RawDecoder(model, prompt)
-    others = {"wrap": WrapDecoder(m, prompt), "wrap, m.chain per block": ChainDecoder(m, prompt)}
-    block, ratios = 16, {name: [] for name in others}  # type: ignore[var-annotated]
-    for decoder in (raw, *others.values()):
-        decode_block(decoder, 4)  # warm-up
+    endless = 10**9
+    kvstate_stream = (t for r in generate(m, prompt.tolist(), max_tokens=endless) for t in r)
+    mlx_stream = generate_step(prompt[0], model, max_tokens=endless)
+    pairs = {
+        "wrap / raw": (raw, WrapDecoder(m, prompt)),
+        "wrap, m.chain per block / raw": (raw, ChainDecoder(m, prompt)),
+        "kvstate generate, no drafter / mlx-lm generate_step": (
+            GeneratorDecoder(mlx_stream),
+            GeneratorDecoder(kvstate_stream),
+        ),
+    }
+    block, ratios = 16, {label: [] for label in pairs}  # type: ignore[var-annotated]
+    for pair in pairs.values():
+        for decoder in pair:
+            decode_block(decoder, 4)  # warm-up
     for i in range(max(2, n // block)):
-        # Rotating order; each contender's block is paired with the raw block next to it.
-        for label in list(others)[i % 2 :] + list(others)[: i % 2]:
-            pair = (raw, others[label]) if i % 2 == 0 else (others[label], raw)
-            times = {id(d): decode_block(d, block) for d in pair}
-            ratios[label].append(times[id(raw)] / times[id(others[label])])
-    say(f"\n## decode: {name}, context {context}, {len(ratios['wrap'])} alternating blocks of {block} "
-        f"tokens\n")  # fmt: skip
+        # Rotating order; each contender's block is paired with its baseline's next to it.
+        for label in list(pairs)[i % 3 :] + list(pairs)[: i % 3]:
+            base, other = pairs[label]
+            order = (base, other) if i % 2 == 0 else (other, base)
+            times = {id(d): decode_block(d, block) for d in order}
+            ratios[label].append(times[id(base)] / times[id(other)])
+    say(f"\n## decode: {name}, context {context}, {len(ratios['wrap / raw'])} alternating "
+        f"blocks of {block} tokens (tokens/s ratios)\n")  # fmt: skip
     for label, found in ratios.items():
         q1, median, q3 = statistics.quantiles(found, n=4)
-        say(f"{label} / raw tokens/s: median {median:.3f} [IQR {q1:.3f}, {q3:.3f}]; raw "
-            f"{block / times[id(raw)]:.1f} tok/s (last block)")  # fmt: skip
+        say(f"{label}: median {median:.3f} [IQR {q1:.3f}, {q3:.3f}]")
 
 
 def spec_run(

@@ -28,6 +28,7 @@ from kvstate import distributed
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.distributed import Placement
+from kvstate.speculative import NGramDrafter
 from kvstate.testing import assert_states_allclose, assert_states_equal
 
 WORKER = Path(__file__).with_name("distributed_ranks.py")
@@ -308,7 +309,7 @@ def test_rank_files_record_their_placement_and_refuse_the_wrong_rank(tmp_path):
 def test_a_whole_model_decides_without_collectives(monkeypatch):
     """One process: wrap records no placement, agree() is the identity, and the generator
     never calls it (the single-process path pays nothing for the distributed checks)."""
-    from kvstate.speculative import _generate
+    from kvstate.speculative import _generate, _plain
 
     assert distributed.agree([3, 1], None) == [3, 1]
     m = wrap(tiny_model("llama"))
@@ -319,7 +320,10 @@ def test_a_whole_model_decides_without_collectives(monkeypatch):
         raise AssertionError("agree was called in a single process")
 
     monkeypatch.setattr(_generate, "agree", refuse)
+    monkeypatch.setattr(_plain, "agree", refuse)
     rounds = list(_generate.generate(m, [[1, 2, 3]], None, max_tokens=3))
+    assert sum(len(r) for r in rounds) == 3
+    rounds = list(_generate.generate(m, [[1, 2, 3]], NGramDrafter(), max_tokens=3))
     assert sum(len(r) for r in rounds) == 3
 
 

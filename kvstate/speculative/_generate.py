@@ -9,29 +9,21 @@ on every architecture kvstate wraps: attention, sliding windows, recurrent and h
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import mlx.core as mx
 
-from .._composite import ModelState
 from .._errors import CommitError, StateError, TokenError
-from .._transforms import capabilities, commit_prefix, filter, merge
+from .._transforms import capabilities, commit_prefix, filter
 from .._tree import host_ints
 from ..distributed import agree, group_of
 from ._drafter import Drafter, TreeDrafter
+from ._emit import Token, cut, finish, logprobs_of
+from ._plain import decode, pick
+from ._prefill import prefill
 from ._replay import commit_may_be_refused, run_kept
 from ._sampling import Sampler, accept, greedy_picks
 from ._tree_round import TREE_MODES, tree_round
-
-
-class Token(NamedTuple):
-    """One emitted token of row `row` (its index in the prompts), with the target's
-    log-probabilities over the vocabulary at its position (mlx-lm's `logprobs`)."""
-
-    row: int
-    token: int
-    logprobs: mx.array
-    from_draft: bool
 
 
 def generate(
@@ -50,7 +42,8 @@ def generate(
     """Generate up to `max_tokens` per prompt, yielding the tokens of each round.
 
     `target`: a wrapped model; `prompts`: one list of ids per row (lengths may differ);
-    `drafter`: proposes up to `k` tokens per row each round (None: plain decoding); a round
+    `drafter`: proposes up to `k` tokens per row each round (None: plain decoding, pipelined
+    like mlx-lm's `generate_step`: the next step runs while a round is yielded); a round
     where it proposes nothing is a plain one-token step, not a verify of filler. `sampler`:
     greedy by default; with a temperature, exact speculative sampling keeps every token
     distributed as the target alone would sample it. A row stops at `max_tokens` or after an
@@ -71,14 +64,18 @@ def generate(
     if tree is not None:
         _check_tree_mode(tree, prompts, drafter)
     key = mx.random.key(seed)
-    rows = list(range(len(prompts)))
     group = group_of(target)  # a distributed model's ranks must decide alike; None: one process
+    if drafter is None:
+        yield from decode(
+            target, prompts, max_tokens=max_tokens, sampler=sampler, eos=eos, key=key, group=group
+        )
+        return
+    rows = list(range(len(prompts)))
     # A drafter with `uses_hidden` (MTP heads) also gets the target's final hidden states.
     extra = {"hidden": True} if getattr(drafter, "uses_hidden", False) else {}
-    logits, state, hiddens = _prefill(target, prompts, extra)
-    if drafter is not None:
-        seen = {"hidden": hiddens} if extra else {}
-        drafter.start([list(p) for p in prompts], **seen)
+    logits, state, hiddens = prefill(target, prompts, bool(extra))
+    seen = {"hidden": hiddens} if extra else {}
+    drafter.start([list(p) for p in prompts], **seen)
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints, so a verify of attention-only targets skips them.
     capture = capabilities(state).needs_checkpoints
@@ -89,11 +86,11 @@ def generate(
     if group is not None:
         agree(last, group, what="the first tokens")
     counts = [0] * len(rows)
-    logprobs = _logprobs(logits)
+    logprobs = logprobs_of(logits)
     round_tokens = [
         Token(r, t, logprobs[i], False) for i, (r, t) in enumerate(zip(rows, last, strict=True))
     ]
-    done = _finish(round_tokens, counts, max_tokens, eos)
+    done = finish(round_tokens, counts, max_tokens, eos)
     yield round_tokens
     width = k
     while True:
@@ -102,8 +99,7 @@ def generate(
             return
         if len(alive) < len(rows):
             state = filter(state, alive)
-            if drafter is not None:
-                drafter.keep_rows(alive)
+            drafter.keep_rows(alive)
             rows, last, counts = (
                 [rows[i] for i in alive],
                 [last[i] for i in alive],
@@ -113,9 +109,9 @@ def generate(
         # at most the tokens still wanted): near the end the rounds narrow.
         room = max(max_tokens - c for c in counts) - 1
         proposal = candidates = None
-        if drafter is not None and room > 0 and tree is None:
+        if room > 0 and tree is None:
             proposal = cast(Drafter, drafter).propose(last, min(width, room), sampler)
-        elif drafter is not None and room > 0:
+        elif room > 0:
             candidates = cast(TreeDrafter, drafter).propose_tree(last[0], min(width, room), sampler)
         if candidates is not None and candidates.tokens:
             assert tree is not None
@@ -183,18 +179,18 @@ def generate(
                 width = _adapted(width, k, accepted, span)
         if group is not None:
             agree([*rows, *accepted, *nxt], group, what="the rows, accepted counts and next tokens")
-        if drafter is not None and room > 0:  # room 0: every row ends with this round
+        if room > 0:  # room 0: every row ends with this round
             seen = {"hidden": hidden[0]} if extra else {}
             drafter.accept(fed, [a + 1 for a in accepted], **seen)
-        logprobs = _logprobs(logits)
+        logprobs = logprobs_of(logits)
         round_tokens = []
         for i, row in enumerate(rows):
             out = [
                 Token(row, t, logprobs[i, j], True) for j, t in enumerate(drafts[i][: accepted[i]])
             ]
             out.append(Token(row, nxt[i], logprobs[i, accepted[i]], False))
-            round_tokens += _cut(out, counts[i], max_tokens, eos)
-        done = _finish(round_tokens, counts, max_tokens, eos, rows)
+            round_tokens += cut(out, counts[i], max_tokens, eos)
+        done = finish(round_tokens, counts, max_tokens, eos, rows)
         last = nxt
         yield round_tokens
 
@@ -230,60 +226,8 @@ def _check_tree_mode(tree: str, prompts: Sequence[Sequence[int]], drafter: Any) 
         )
 
 
-def _prefill(
-    target: Any, prompts: Sequence[Sequence[int]], extra: dict[str, bool]
-) -> tuple[mx.array, ModelState, list[mx.array]]:
-    """Each row's last logits (B, vocab), the batched state, and with `extra` each prompt's
-    hidden states (1, n, D). Prompts of one length run as one batch; otherwise each prompt
-    runs alone and the states are merged (left-padded). Not a right-padded batch with
-    `lengths=`: mlx-lm's nemotron_h mixers leave a wrong state in a right-padded row (its own
-    prepare / finalize give the same: BENCHMARKS.md, Findings)."""
-    if len({len(p) for p in prompts}) == 1:
-        logits, state, *hidden = target(
-            mx.array([list(p) for p in prompts]), target.init_state(len(prompts)), **extra
-        )
-        hiddens = [hidden[0][b : b + 1] for b in range(len(prompts))] if hidden else []
-        return logits[:, -1], state, hiddens
-    starts = [target(mx.array([list(p)]), target.init_state(), **extra) for p in prompts]
-    logits = mx.concatenate([s[0][:, -1] for s in starts])
-    return logits, merge([s[1] for s in starts]), [s[2] for s in starts] if extra else []
-
-
 def _sample(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, list[int]]:
     """One token per row of `logits` (B, vocab), read to the host (greedy: the argmax, with
     no distribution built and no key used)."""
-    if sampler.greedy:
-        return key, host_ints(logits.argmax(-1))
-    key, sub = mx.random.split(key)
-    return key, host_ints(sampler.sample(sampler.probs(logits), sub))
-
-
-def _logprobs(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _cut(tokens: list[Token], emitted: int, max_tokens: int, eos: Sequence[int]) -> list[Token]:
-    """A row's tokens of one round, up to its budget and through its first eos."""
-    kept = tokens[: max_tokens - emitted]
-    for j, t in enumerate(kept):
-        if t.token in eos:
-            return kept[: j + 1]
-    return kept
-
-
-def _finish(
-    tokens: list[Token],
-    counts: list[int],
-    max_tokens: int,
-    eos: Sequence[int],
-    rows: list[int] | None = None,
-) -> list[bool]:
-    """Count each row's emitted tokens; which rows are done (budget reached or eos)."""
-    position = {row: i for i, row in enumerate(rows)} if rows is not None else None
-    done = [False] * len(counts)
-    for t in tokens:
-        i = position[t.row] if position is not None else t.row
-        counts[i] += 1
-        done[i] = done[i] or t.token in eos
-    return [d or c >= max_tokens for d, c in zip(done, counts, strict=True)]
+    key, picked = pick(sampler, logits, key)
+    return key, host_ints(picked)

@@ -14,7 +14,6 @@ from .._transforms import (
     capabilities,
     commit_prefix,
     filter,
-    merge,
     row_select,
     tile,
 )
@@ -22,6 +21,7 @@ from .._trust import inherit
 from ..kinds import Composite, replace, with_parts
 from ._branches import Branches, first_picks, matching_path
 from ._drafter import DraftTree, Proposal
+from ._prefill import prefill
 from ._replay import run_kept
 from ._sampling import Sampler
 from ._tree_verify import tree_of_paths
@@ -101,8 +101,7 @@ class ModelDrafter:
         self._trims: bool | None = None  # rolls_back_by_trim of the draft state, once known
 
     def start(self, prompts: list[list[int]]) -> None:
-        states = [self.draft(mx.array([p]), self.draft.init_state())[1] for p in prompts]
-        self.state = states[0] if len(states) == 1 else merge(states)
+        _, self.state, _ = prefill(self.draft, prompts)
         self.pending, self._proposal = None, None
         self._trims = rolls_back_by_trim(self.state)
 

@@ -1,0 +1,70 @@
+"""Plain decoding (no drafter), pipelined like mlx-lm's `generate_step`: the next step's
+forward is built and set evaluating before this step's tokens are read back, so the device
+runs one step while the host reads, yields and builds the next."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from .._transforms import filter
+from .._tree import host_ints
+from ..distributed import agree
+from ._emit import Token, logprobs_of
+from ._prefill import prefill
+from ._sampling import Sampler
+
+
+def pick(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """One token per row of `logits` (B, vocab), unevaluated, and the key for the next pick
+    (greedy: the argmax, with no distribution built and no key used)."""
+    if sampler.greedy:
+        return key, logits.argmax(-1)
+    key, sub = mx.random.split(key)
+    return key, sampler.sample(sampler.probs(logits), sub)
+
+
+def decode(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    sampler: Sampler,
+    eos: Sequence[int],
+    key: mx.array,
+    group: Any,
+) -> Iterator[list[Token]]:
+    """`generate` without a drafter: one token per live row each round, the same tokens (and
+    the same draws of `key`) as one synchronous step a round would give."""
+    logits, state, _ = prefill(target, prompts)
+    key, y = pick(sampler, logits, key)
+    logprobs = logprobs_of(logits)
+    mx.async_eval(y, logprobs)
+    rows = list(range(len(prompts)))
+    emitted = 0  # tokens so far, the same for every live row
+    while True:
+        more = emitted + 1 < max_tokens
+        if more:  # the next step, from this step's unread tokens
+            logits, state = target(y[:, None], state)
+            key, y_next = pick(sampler, logits[:, -1], key)
+            logprobs_next = logprobs_of(logits[:, -1])
+            mx.async_eval(y_next, logprobs_next)
+        tokens = host_ints(y)
+        if group is not None:
+            agree(tokens, group, what="the sampled tokens" if emitted else "the first tokens")
+        out = [
+            Token(r, t, logprobs[i], False)
+            for i, (r, t) in enumerate(zip(rows, tokens, strict=True))
+        ]
+        emitted += 1
+        yield out
+        alive = [i for i, t in enumerate(tokens) if t not in eos]
+        if not more or not alive:
+            return
+        if len(alive) < len(rows):
+            keep = mx.array(alive)
+            state, y_next, logprobs_next = filter(state, alive), y_next[keep], logprobs_next[keep]
+            rows = [rows[i] for i in alive]
+        y, logprobs = y_next, logprobs_next
