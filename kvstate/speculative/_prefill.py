@@ -1,10 +1,8 @@
 """The first forward of a generation: prompts of any lengths -> a batched state.
 
 Prompts of one length run as one batched forward. Otherwise each prompt runs alone and the
-states are merged (left-padded), each prompt's forward set evaluating as soon as it is built:
-left lazy, a few hundred prompts become one graph of every prompt's forward, which MLX's CUDA
-backend failed to launch (`cudaGraphAddKernelNode`: invalid argument) from 128 prompts up.
-Not a right-padded batch with `lengths=`: mlx-lm's nemotron_h mixers leave a wrong state in a
+states are merged (left-padded), each prompt's forward set evaluating as soon as it is built,
+so the device works on it while the host builds the next one. Not a right-padded batch with `lengths=`: mlx-lm's nemotron_h mixers leave a wrong state in a
 right-padded row (its own prepare / finalize give the same: BENCHMARKS.md, Findings).
 """
 
