@@ -99,6 +99,47 @@ def decode_step_ops(rows: int) -> None:
             lambda: m(ids, state)[0])  # fmt: skip
 
 
+def step_by_op(rows: int) -> None:
+    """The failing one-token step (raw mlx-lm, BatchKVCache) taken apart: each op of the first
+    layer evaluated on its own, then matmuls of the step's shapes."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import BatchKVCache
+
+    model = tiny_model("llama", num_hidden_layers=2, seed=3)
+    caches = [BatchKVCache(left_padding=[0] * rows) for _ in model.layers]
+    mx.eval(model(mx.array([[5, 9, 13]] * rows), cache=caches))
+    inner, cache = model.model, caches[0]
+    layer = inner.layers[0]
+    attn = layer.self_attn
+    x = inner.embed_tokens(mx.array([[7]] * rows))
+    attempt(f"{rows} rows, op: embedding", lambda: x)
+    mask = cache.make_mask(1)
+    attempt(f"{rows} rows, op: BatchKVCache.make_mask(1)", lambda: mask if mask is not None else x)
+    h = layer.input_layernorm(x)
+    attempt(f"{rows} rows, op: rms norm", lambda: h)
+    q = attn.q_proj(h)
+    attempt(f"{rows} rows, op: q projection (rows, 1, D) @ W", lambda: q)
+    queries = q.reshape(rows, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = attn.k_proj(h).reshape(rows, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = attn.v_proj(h).reshape(rows, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    rq = attn.rope(queries, offset=cache.offset)
+    attempt(f"{rows} rows, op: rope with per-row offsets", lambda: rq)
+    rk = attn.rope(keys, offset=cache.offset)
+    k_all, v_all = cache.update_and_fetch(rk, values)
+    attempt(f"{rows} rows, op: BatchKVCache.update_and_fetch", lambda: (k_all, v_all))
+    out = scaled_dot_product_attention(rq, k_all, v_all, cache=cache, scale=attn.scale, mask=mask)
+    attempt(f"{rows} rows, op: attention over the cache", lambda: out)
+    o = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(rows, 1, -1))
+    attempt(f"{rows} rows, op: o projection", lambda: o)
+    attempt(f"{rows} rows, op: MLP", lambda: layer.mlp(layer.post_attention_layernorm(x + o)))
+    attempt(f"{rows} rows, op: lm head", lambda: model.lm_head(x) if hasattr(model, "lm_head")
+            else inner.embed_tokens.as_linear(x))  # fmt: skip
+    w = mx.random.normal((192, x.shape[-1]))
+    for width in (1, 3):
+        a = mx.random.normal((rows, width, x.shape[-1]))
+        attempt(f"{rows} rows, matmul ({rows}, {width}, D) @ W.T", lambda a=a: a @ w.T)
+
+
 def mlx_lm_batch_generator(rows: int) -> None:
     """mlx-lm's own batch generation of `rows` prompts (the oracle for a batch scheduler)."""
     from mlx_lm.generate import BatchGenerator
@@ -121,6 +162,8 @@ def mlx_lm_batch_generator(rows: int) -> None:
 
 
 def main() -> None:
+    for rows in (127, 128):
+        step_by_op(rows)
     for rows in (64, 127, 128, 300):
         decode_step_ops(rows)
     for rows in (64, 128, 300):
