@@ -244,30 +244,32 @@ class WrappedModel:
             if rows and width:
                 _check_batch(rows, state)
                 return _guarded(tokens, self.vocab_size)
-        if isinstance(tokens, mx.array):
-            ids, host = tokens, None
-        else:
-            host = _host_ids(tokens)
-            ids = mx.array(host) if host.dtype.kind in "iu" else None  # type: ignore[assignment]
-        if ids is None or not mx.issubdtype(ids.dtype, mx.integer):
-            dtype = host.dtype if host is not None else ids.dtype
-            raise TokenError(f"token ids must be integers; got dtype {dtype}")
+        if not isinstance(tokens, mx.array):
+            return self._host_tokens(_host_ids(tokens), state), None
+        ids = tokens
+        if not mx.issubdtype(ids.dtype, mx.integer):
+            raise TokenError(f"token ids must be integers; got dtype {ids.dtype}")
         if ids.ndim == 1:
             ids = ids[None]
-        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise TokenError(
-                f"tokens must be a non-empty (batch, K) array of ids; got shape {tuple(ids.shape)}"
-            )
+        _check_shape(ids.shape)
         _check_batch(ids.shape[0], state)
+        return _guarded(ids, self.vocab_size)
+
+    def _host_tokens(self, host: np.ndarray, state: ModelState) -> mx.array:
+        """Ids from lists or NumPy (a verify's drafts), checked on the host: one int32 array
+        made once they passed (no cast in the graph)."""
+        if host.dtype.kind not in "iu":
+            raise TokenError(f"token ids must be integers; got dtype {host.dtype}")
+        if host.ndim == 1:
+            host = host[None]
+        _check_shape(host.shape)
+        _check_batch(host.shape[0], state)
         vocab = self.vocab_size
-        if host is not None:
-            outside = sorted({int(i) for i in host.ravel() if not 0 <= i < vocab})
-            if outside:
-                raise TokenError(
-                    f"token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})"
-                )
-            return ids.astype(mx.int32), None
-        return _guarded(ids, vocab)
+        flat = host.ravel().tolist()  # Python ints: faster to compare than NumPy's
+        if min(flat) < 0 or max(flat) >= vocab:
+            outside = sorted({i for i in flat if not 0 <= i < vocab})
+            raise TokenError(f"token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})")
+        return mx.array(host, mx.int32)
 
 
 def _host_ids(tokens: Any) -> np.ndarray:
@@ -281,6 +283,13 @@ def _host_ids(tokens: Any) -> np.ndarray:
     if host.dtype == object:
         raise TokenError(f"token ids must be integers; got {tokens!r:.80}")
     return host
+
+
+def _check_shape(shape: tuple[int, ...]) -> None:
+    if len(shape) != 2 or shape[0] == 0 or shape[1] == 0:
+        raise TokenError(
+            f"tokens must be a non-empty (batch, K) array of ids; got shape {tuple(shape)}"
+        )
 
 
 def _check_batch(rows: int, state: ModelState) -> None:

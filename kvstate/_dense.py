@@ -106,13 +106,13 @@ def _(state: DenseKV) -> dict[str, Any]:
 
 @commit_rows.register
 def _(state: DenseKV, counts: tuple[int, ...], checkpoints: Any) -> DenseKV:
-    rejected = [state.appended - c for c in counts]
-    if len(set(counts)) == 1 or state.keys is None:
-        length = state.length - rejected[0]
-        keys, values = state.keys, state.values
+    keys, values = state.keys, state.values
+    if keys is None or len(set(counts)) == 1:
+        length = state.length - state.appended + counts[0]
         if state.concatenate and keys is not None and values is not None:
             keys, values = used(keys, length), used(values, length)
-        return replace(state, keys=keys, values=values, length=length, appended=0)
+        # The constructor, not `replace`: this runs for every layer of every verify.
+        return DenseKV(keys, values, state.left_padding, length, 0, state.concatenate, state.simple)
     return _commit_ragged(state, counts)
 
 

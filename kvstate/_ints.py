@@ -32,6 +32,8 @@ def as_int(x: Any, what: str, error: type[StateError]) -> int:
 
 def as_ints(x: Any, what: str, error: type[StateError]) -> tuple[list[int], bool]:
     """An integer or a sequence / 1-d array of them as a list, and whether it was a scalar."""
+    if type(x) is int:  # the common case (commit_prefix's accepted) without the checks
+        return [x], True
     if is_int(x):
         return [as_int(x, what, error)], True
     if isinstance(x, (mx.array, np.ndarray)):

@@ -48,27 +48,26 @@ def _counts(state: Any, accepted: Any) -> tuple[int, ...]:
     values, scalar = as_ints(accepted, "commit_prefix: accepted", CommitError)
     if scalar:
         values = values * batch
-    require(
-        len(values) == batch,
-        CommitError,
-        f"accepted has {len(values)} counts for a state of {batch} rows; "
-        "pass one count per row or a single int",
-    )
-    negative = [v for v in values if v < 0]
-    require(not negative, CommitError, f"accepted counts must be >= 0; got {values}")
-    too_many = [v for v in values if v > appended]
-    if too_many and appended == 0:
+    # `if ...: raise`, not `require`: its messages would be formatted on every call.
+    if len(values) != batch:
         raise CommitError(
-            f"commit_prefix: accepted {values}, but this state has no pending forward "
-            "(appended=0): it was already committed, or it was merged / extended from states "
-            "whose pending forwards differed. Commit each state before combining them"
+            f"accepted has {len(values)} counts for a state of {batch} rows; "
+            "pass one count per row or a single int"
         )
-    require(
-        not too_many,
-        CommitError,
-        f"accepted {values} exceeds the {appended} tokens the last forward appended; "
-        f"each count must be in [0, {appended}]",
-    )
+    if min(values, default=0) < 0:
+        raise CommitError(f"accepted counts must be >= 0; got {values}")
+    if max(values, default=0) > appended:
+        if appended == 0:
+            raise CommitError(
+                f"commit_prefix: accepted {values}, but this state has no pending forward "
+                "(appended=0): it was already committed, or it was merged / extended from "
+                "states whose pending forwards differed. Commit each state before combining "
+                "them"
+            )
+        raise CommitError(
+            f"accepted {values} exceeds the {appended} tokens the last forward appended; "
+            f"each count must be in [0, {appended}]"
+        )
     return tuple(values)
 
 

@@ -12,6 +12,7 @@ MLX goes through `tree_flatten` (a list of arrays plus a hashable `TreeDef`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, ClassVar, TypeVar, cast, dataclass_transform
 
 import attrs
@@ -32,6 +33,7 @@ class State:
     __kvstate_statics__: ClassVar[tuple[str, ...]] = ()
     __kvstate_fields__: ClassVar[tuple[str, ...]] = ()
     __kvstate_field_set__: ClassVar[frozenset[str]] = frozenset()
+    __kvstate_field_index__: ClassVar[dict[str, int]] = {}
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -50,18 +52,30 @@ def frozen_state(cls: type[T]) -> type[T]:
     made.__kvstate_statics__ = tuple(f.name for f in fields if f.metadata.get(_STATIC))  # type: ignore[attr-defined]
     made.__kvstate_fields__ = tuple(f.name for f in fields)  # type: ignore[attr-defined]
     made.__kvstate_field_set__ = frozenset(made.__kvstate_fields__)  # type: ignore[attr-defined]
+    made.__kvstate_field_index__ = {n: i for i, n in enumerate(made.__kvstate_fields__)}  # type: ignore[attr-defined]
+    made.__kvstate_field_values__ = _field_values(made.__kvstate_fields__)  # type: ignore[attr-defined]
     return made
+
+
+def _field_values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """A function reading every field of a state, in order (one C call: `attrgetter`)."""
+    if len(names) > 1:
+        return attrgetter(*names)
+    return lambda state: tuple(getattr(state, n) for n in names)
 
 
 def replace(state: T, **changes: Any) -> T:
     """A copy of `state` with some fields changed: `attrs.evolve` without its per-call
     introspection (this runs once per layer per decode step)."""
     cls = type(state)
-    names = cls.__kvstate_fields__  # type: ignore[attr-defined]
     if not changes.keys() <= cls.__kvstate_field_set__:  # type: ignore[attr-defined]
+        names = cls.__kvstate_fields__  # type: ignore[attr-defined]
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes.keys() - set(names))}")
-    get = changes.get
-    return cls(*[get(n, getattr(state, n)) for n in names])
+    values = list(cls.__kvstate_field_values__(state))  # type: ignore[attr-defined]
+    index = cls.__kvstate_field_index__  # type: ignore[attr-defined]
+    for name, value in changes.items():
+        values[index[name]] = value
+    return cls(*values)
 
 
 def host_ints(a: mx.array) -> list[int]:
