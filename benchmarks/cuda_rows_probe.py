@@ -1,8 +1,10 @@
 """Which op of a many-row generation fails on MLX CUDA (diagnostic, H200).
 
 tests/test_speculative.py's 300-row sampled test raised `cudaGraphAddKernelNode ... invalid
-argument` at its first sample on the H200, with and without kvstate's buckets. This evaluates
-each piece of that first step on its own, for growing row counts, and prints what fails.
+argument` on the H200. This runs the one-token step after a batched prefill op by op, raw
+mlx-lm's step and its BatchGenerator, and kvstate's, for row counts around the failure, and
+prints what fails (found on mlx 0.32.4: from 128 rows, `mx.fast.rope` with per-row offsets,
+in mlx-lm as in kvstate; BENCHMARKS.md, Findings).
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/cuda_rows_probe.py
 """
@@ -13,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from kvstate.adapters import _wrap, wrap
 from kvstate.adapters.tiny_models import tiny_model
@@ -26,20 +27,6 @@ def attempt(label: str, fn: Callable[[], Any]) -> None:
         print(f"ok      {label}", flush=True)
     except Exception as e:  # a probe: print and go on
         print(f"FAILED  {label}: {e!r:.160}", flush=True)
-
-
-def probe(model: Any, sampler: Sampler, rows: int) -> None:
-    ids = mx.array([[5, 9, 13]] * rows)
-    m = wrap(model)
-    logits = mx.random.normal((rows, 256))
-    probs = sampler.probs(logits)
-    key = mx.random.key(11)
-    attempt(f"{rows} rows: raw mlx-lm forward", lambda: model(ids, cache=make_prompt_cache(model)))
-    attempt(f"{rows} rows: wrapped forward", lambda: m(ids, m.init_state(rows))[0])
-    attempt(f"{rows} rows: sort", lambda: mx.sort(logits, axis=-1))
-    attempt(f"{rows} rows: sampler.probs", lambda: sampler.probs(logits))
-    attempt(f"{rows} rows: categorical", lambda: mx.random.categorical(mx.log(probs)))
-    attempt(f"{rows} rows: categorical, key", lambda: mx.random.categorical(mx.log(probs), key=key))
 
 
 def generation(model: Any, sampler: Sampler, rows: int) -> None:

@@ -19,7 +19,7 @@ from .._tree import host_ints
 from ..distributed import agree, group_of
 from ._drafter import Drafter, TreeDrafter
 from ._emit import Token, cut, finish, logprobs_of
-from ._plain import decode, pick
+from ._plain import decode, draw
 from ._prefill import prefill
 from ._replay import commit_may_be_refused, run_kept
 from ._sampling import Sampler, accept, greedy_picks
@@ -229,5 +229,5 @@ def _check_tree_mode(tree: str, prompts: Sequence[Sequence[int]], drafter: Any) 
 def _sample(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, list[int]]:
     """One token per row of `logits` (B, vocab), read to the host (greedy: the argmax, with
     no distribution built and no key used)."""
-    key, picked = pick(sampler, logits, key)
+    key, picked = draw(sampler, logits, key)
     return key, host_ints(picked)

@@ -21,6 +21,7 @@ from .._trust import inherit
 from ..kinds import Composite, replace, with_parts
 from ._branches import Branches, first_picks, matching_path
 from ._drafter import DraftTree, Proposal
+from ._plain import draw
 from ._prefill import prefill
 from ._replay import run_kept
 from ._sampling import Sampler
@@ -197,11 +198,9 @@ class ModelDrafter:
                 drafted, weight = first_picks(logits[0], branches, sampler, key)
                 if weight is not None:
                     weights.append(weight)
-            elif sampler.greedy:
-                drafted = logits.argmax(-1).astype(mx.int32)
             else:
-                self.key, key = mx.random.split(self.key)
-                drafted = sampler.sample(sampler.probs(logits), key)
+                self.key, picked = draw(sampler, logits, self.key)
+                drafted = picked.astype(mx.int32)
             step += 1
             if self.pipelined:
                 mx.async_eval(drafted)

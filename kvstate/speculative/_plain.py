@@ -17,7 +17,7 @@ from ._prefill import prefill
 from ._sampling import Sampler
 
 
-def pick(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+def draw(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
     """One token per row of `logits` (B, vocab), unevaluated, and the key for the next pick
     (greedy: the argmax, with no distribution built and no key used)."""
     if sampler.greedy:
@@ -39,7 +39,7 @@ def decode(
     """`generate` without a drafter: one token per live row each round, the same tokens (and
     the same draws of `key`) as one synchronous step a round would give."""
     logits, state, _ = prefill(target, prompts)
-    key, y = pick(sampler, logits, key)
+    key, y = draw(sampler, logits, key)
     logprobs = logprobs_of(logits)
     mx.async_eval(y, logprobs)
     rows = list(range(len(prompts)))
@@ -48,7 +48,7 @@ def decode(
         more = emitted + 1 < max_tokens
         if more:  # the next step, from this step's unread tokens
             logits, state = target(y[:, None], state)
-            key, y_next = pick(sampler, logits[:, -1], key)
+            key, y_next = draw(sampler, logits[:, -1], key)
             logprobs_next = logprobs_of(logits[:, -1])
             mx.async_eval(y_next, logprobs_next)
         tokens = host_ints(y)
