@@ -1,7 +1,7 @@
 """Attention over a bucketed key length in multi-token forwards, on CUDA.
 
 MLX's CUDA attention for a query of several tokens pays ~36 ms the first time it sees a key
-length (measured on the H200: benchmarks/sdpa_shapes.py; 0.2-0.5 ms once that length was
+length (measured on the H200: benchmarks/probes/sdpa_shapes.py; 0.2-0.5 ms once that length was
 seen). A speculative verify always meets a new length, so every round paid it. Here the dense
 KV caches of a multi-token forward attend over their buffer up to the next multiple of
 `STEP` instead, with mlx-lm's own mask extended by False over the extra positions: the

@@ -33,14 +33,14 @@ case "$part" in
       tests/test_speculative_tree.py tests/test_tree_sampling.py tests/test_model_drafter_tree.py
     ;;
   quantized)
-    step 70 qattn-probe python3 benchmarks/cuda_qattn_probe.py
+    step 70 qattn-probe python3 benchmarks/probes/cuda_qattn_probe.py
     step 90 quantized-decode python3 benchmarks/quantized_quality.py --parts decode
     ;;
   decode)
     step 150 decode python3 benchmarks/verify.py --only decode
     ;;
   launch)  # a verify forward's host time by attention path (buckets, cuDNN, the verify kernel)
-    step 200 verify-launch python3 benchmarks/verify_launch.py
+    step 200 verify-launch python3 benchmarks/probes/verify_launch.py
     ;;
   kernel-tests)  # the verify kernel and what routes to it
     step 200 kernel-tests env MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci python3 -m pytest -q -p no:cacheprovider \
@@ -61,7 +61,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x',
       tests/test_speculative.py::test_sampled_generation_matches_the_target_distribution
     ;;
   overhead)
-    step 90 decode-overhead python3 benchmarks/decode_overhead.py --reps 40
+    step 90 decode-overhead python3 benchmarks/probes/decode_overhead.py --reps 40
     ;;
   spec)
     step 240 spec python3 benchmarks/verify.py --only spec --models llama qwen3_next

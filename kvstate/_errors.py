@@ -7,6 +7,12 @@ class StateError(ValueError):
     """Base class of every error kvstate raises on bad input."""
 
 
+class NotSupportedError(StateError):
+    """A well-formed request that this model, cache or kind cannot do (a tree forward over a
+    quantized cache, a cache class kvstate does not convert, a mode a drafter lacks): not a
+    mistake in the arguments. Raised apart from the other errors so a caller can fall back."""
+
+
 class CommitError(StateError):
     """`commit_prefix` got counts it cannot honour (too many, negative, not integers)."""
 

@@ -2,8 +2,8 @@
 patterns (every draft kept, 3 of 4 kept, alternating, drawn at p=0.8), the pre-verify state held
 or dropped, and decode steps through wrap with its per-step pieces switched off one at a time.
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/round_patterns.py          # on the H200
-    .venv/bin/python benchmarks/round_patterns.py --small                   # a CPU smoke run
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/probes/round_patterns.py          # on the H200
+    .venv/bin/python benchmarks/probes/round_patterns.py --small                   # a CPU smoke run
 
 Each row: median ms per round (or per token) over interleaved repetitions; printed as measured.
 """
@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _on_path  # noqa: F401  (benchmarks/ on the path, for verify)
 import mlx.core as mx
 import numpy as np
 from verify import BIG, build, copied, prefilled, say

@@ -6,7 +6,7 @@ MLX CUDA 0.32.4 raised "No implementation for problem shape" for some of them at
 (5-bit keys, 1025 positions). Prints one line per (bits, group, transpose, dtype): the (M, N)
 pairs that failed, or "all ok".
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/cuda_qmm_support.py     # on the H200
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/probes/cuda_qmm_support.py     # on the H200
 """
 
 from __future__ import annotations

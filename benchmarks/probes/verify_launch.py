@@ -12,7 +12,7 @@ nothing reads); with attention as plain ops; with kvstate's verify attention ker
 Each row prints as it is measured. The kernel's correctness is tests/test_buckets.py's
 (`bash benchmarks/h200.sh kernel-tests`).
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/verify_launch.py
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/probes/verify_launch.py
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
+import _on_path  # noqa: F401  (benchmarks/ on the path, for verify)
 import mlx.core as mx
 import mlx_lm.models.llama as llama
 import numpy as np

@@ -1,8 +1,8 @@
 """Where a decode step through `wrap` loses time against raw mlx-lm on a GPU: contenders that
 add wrap's pieces to a raw loop, or take them out of wrap, one at a time.
 
-    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python3 benchmarks/decode_overhead.py   # H200
-    .venv/bin/python benchmarks/decode_overhead.py --small                          # CPU smoke
+    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python3 benchmarks/probes/decode_overhead.py   # H200
+    .venv/bin/python benchmarks/probes/decode_overhead.py --small                          # CPU smoke
 
 Every contender decodes its own greedy sequence from the same prompt in 16-token blocks
 (pipelined like generate_step); one block of each contender per repetition, in rotating
@@ -17,6 +17,7 @@ import statistics
 import time
 from typing import Any
 
+import _on_path  # noqa: F401  (benchmarks/ on the path, for verify)
 import mlx.core as mx
 from verify import BIG, RawDecoder, WrapDecoder, build, decode_block, random_ids, say
 

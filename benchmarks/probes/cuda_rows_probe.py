@@ -6,7 +6,7 @@ mlx-lm's step and its BatchGenerator, and kvstate's, for row counts around the f
 prints what fails (found on mlx 0.32.4: from 128 rows, `mx.fast.rope` with per-row offsets,
 in mlx-lm as in kvstate; BENCHMARKS.md, Findings).
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/cuda_rows_probe.py
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/probes/cuda_rows_probe.py
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ decoding the same way. Part 3: ms per call of the values product at each bits,
 quantized_matmul(transpose=False) vs dequantize-then-matmul (what item 2 of issue 9 would
 pick per backend and bits).
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/cuda_qattn_probe.py
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/probes/cuda_qattn_probe.py
 """
 
 from __future__ import annotations

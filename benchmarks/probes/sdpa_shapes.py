@@ -2,7 +2,7 @@
 mx.fast.scaled_dot_product_attention for a 5-token query over L keys, L new each call
 (as in speculative rounds) and L repeated, with mask="causal", an array mask, and no mask.
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/sdpa_shapes.py
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/probes/sdpa_shapes.py
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ group 64, one query: kvstate's quantized attention does it with
 
 Interleaved: each rep runs every path once, in a rotated order; medians and IQR over reps.
 
-    python benchmarks/quantized_values_paths.py [--reps 15] [--bits 3,4,5]
+    python benchmarks/probes/quantized_values_paths.py [--reps 15] [--bits 3,4,5]
 """
 
 from __future__ import annotations
