@@ -48,21 +48,26 @@ def _time(fn: Callable[[], Any], inner: int, reps: int = 7) -> float:
     return statistics.median(blocks)
 
 
-class NullModel:
-    """Writes one token of K/V into every layer's cache and returns fixed logits: a wrapped
-    forward of it costs the wrapper's bookkeeping alone, without the math."""
+def null_model(layers: int) -> Any:
+    """A model that writes one token of K/V into every layer's cache and returns fixed
+    logits: a wrapped forward of it costs the wrapper's bookkeeping alone, without the math.
+    An `nn.Module`, since `wrap` walks the model's modules (its placement)."""
+    import mlx.core as mx
+    import mlx.nn as nn
 
-    def __init__(self, layers: int) -> None:
-        import mlx.core as mx
+    class NullModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [nn.Identity() for _ in range(layers)]
+            self.kv = mx.ones((1, 2, 1, 64), mx.float16)
+            self.logits = mx.zeros((1, 1, 256), mx.float16)
 
-        self.layers = [None] * layers
-        self.kv = mx.ones((1, 2, 1, 64), mx.float16)
-        self.logits = mx.zeros((1, 1, 256), mx.float16)
+        def __call__(self, tokens: Any, cache: list[Any]) -> Any:
+            for c in cache:
+                c.update_and_fetch(self.kv, self.kv)
+            return self.logits
 
-    def __call__(self, tokens: Any, cache: list[Any]) -> Any:
-        for c in cache:
-            c.update_and_fetch(self.kv, self.kv)
-        return self.logits
+    return NullModel()
 
 
 def worker() -> dict[str, float]:
@@ -78,7 +83,7 @@ def worker() -> dict[str, float]:
         from adapters.tiny_models import tiny_model  # type: ignore[no-redef]
 
     out: dict[str, float] = {}
-    null = wrap(NullModel(16))
+    null = wrap(null_model(16))
     box = {"state": null(mx.array([[1, 2, 3, 4]]), null.init_state())[1]}
 
     def decode() -> Any:

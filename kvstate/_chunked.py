@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ._errors import StateError
 from ._shared import array_kv_config, shared_appended, uniform_count
-from ._tree import State, replace
+from ._tree import State, replace, trusted
 from ._unpadded_kv import (
     held,
     kv_batch_size,
@@ -147,7 +147,7 @@ def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
 
     keys = mx.concatenate([part(s, s.keys, k0) for s in states])
     values = mx.concatenate([part(s, s.values, v0) for s in states])
-    merged = ChunkedKV(
+    merged = trusted(ChunkedKV)(
         keys,
         values,
         chunk_size=first.chunk_size,
@@ -181,12 +181,12 @@ def _keeping_pending(merged: ChunkedKV, states: Sequence[ChunkedKV]) -> ChunkedK
 @extract_row.register
 def _(state: ChunkedKV, row: int) -> ChunkedKV:
     if state.keys is None or state.values is None:
-        return ChunkedKV(chunk_size=state.chunk_size)
+        return trusted(ChunkedKV)(chunk_size=state.chunk_size)
     n = held(state)
     previous = state.previous
     if previous is not None and previous.keys is not None:
         previous = extract_row(previous, row)
-    return ChunkedKV(
+    return trusted(ChunkedKV)(
         mx.contiguous(state.keys[row : row + 1, :, :n]),
         mx.contiguous(state.values[row : row + 1, :, :n]),
         previous,

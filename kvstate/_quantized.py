@@ -195,8 +195,12 @@ def _(state: QuantizedKV, values: bool) -> list[str]:
         if len(shapes) > 1:
             return [f"keys and values disagree in batch, heads or capacity: {sorted(shapes)}"]
         capacity = int(state.keys[0].shape[2])
-    batch = batch_size_of(state)
-    found += rows_problems("left_padding", state.left_padding, batch)
+        # The arrays' rows, not batch_size_of's (which reads left_padding first).
+        found += rows_problems(
+            "left_padding", state.left_padding, int(state.keys[0].shape[0]), "keys"
+        )
+    else:
+        found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
     if values and not found:
@@ -214,9 +218,11 @@ def _triple_problems(name: str, q: Any, codec: Codec) -> list[str]:
     packed, scales, biases = q
     if packed.dtype != mx.uint32:
         found.append(f"{name}[0]: packed data must be uint32; got {packed.dtype}")
-    if scales.shape != biases.shape or not mx.issubdtype(scales.dtype, mx.floating):
+    same = scales.shape == biases.shape and scales.dtype == biases.dtype
+    if not same or not mx.issubdtype(scales.dtype, mx.floating):
         found.append(
-            f"{name}: scales {scales.shape} and biases {biases.shape} must be float, one shape"
+            f"{name}: scales {scales.shape} {scales.dtype} and biases {biases.shape} "
+            f"{biases.dtype} must be float, of one shape and dtype"
         )
     stored = codec.stored_dim(q)
     if not found and packed.shape[3] != packed_width(stored, codec.bits):

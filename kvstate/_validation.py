@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from ._errors import ShapeError
+from ._errors import inconsistent
 from ._ints import as_int, as_ints, is_int
 from ._tree import State, TreeDef, check_leaves, children, host_ints, unflatten_unchecked
 from .kinds import kind_named, problems
@@ -37,14 +37,7 @@ def check(state: S, *, values: bool = True) -> S:
     """
     found = problems(state, values)
     if found:
-        shown = "; ".join(found[:20]) + (
-            f"; ... ({len(found) - 20} more)" if len(found) > 20 else ""
-        )
-        raise ShapeError(
-            f"inconsistent {type(state).__name__}: {shown}. States built from parts must "
-            "agree with themselves; build them from model caches (kvstate.adapters) or with "
-            "the transforms"
-        )
+        raise inconsistent(type(state).__name__, found)
     return state
 
 
@@ -125,8 +118,9 @@ def kv_pair_problems(keys: Any, values: Any) -> list[str]:
     return found
 
 
-def rows_problems(name: str, a: Any, batch: int) -> list[str]:
-    """A per-row bookkeeping array: None, or (batch,) of an integer dtype."""
+def rows_problems(name: str, a: Any, batch: int, of: str = "the state") -> list[str]:
+    """A per-row bookkeeping array: None, or (batch,) of an integer dtype; `of` names what
+    gave the state its `batch` rows (the field whose leading axis it is)."""
     if a is None:
         return []
     if not isinstance(a, mx.array):
@@ -134,7 +128,7 @@ def rows_problems(name: str, a: Any, batch: int) -> list[str]:
     if a.ndim != 1 or not mx.issubdtype(a.dtype, mx.integer):
         return [f"{name}: must be a 1-d integer array; got shape {tuple(a.shape)} {a.dtype}"]
     if a.shape[0] != batch:
-        return [f"{name}: has {a.shape[0]} rows, but the state has {batch}"]
+        return [f"{name}: has {a.shape[0]} rows, but {of} has {batch}"]
     return []
 
 

@@ -31,7 +31,7 @@ from ._composite import ListState, ModelState
 from ._errors import DivergenceError, PlacementError, StateError
 from ._placement import Placement, placement_of
 from ._recurrent import RecurrentState
-from ._tree import State, rebuild, statics
+from ._tree import State, rebuild, statics, trusted
 from .kinds import Composite, batch_size_of, with_parts
 
 __all__ = [
@@ -116,7 +116,7 @@ def with_placement(state: ModelState, placement: Placement | None) -> ModelState
                 f"with_placement: {text} holds {stop - start} layers; the state has "
                 f"{len(state.layers)}"
             )
-    return state if state.placement == text else ModelState(state.layers, text)
+    return state if state.placement == text else trusted(ModelState)(state.layers, text)
 
 
 # ---------------------------------------------------------------------------- gather
@@ -135,11 +135,11 @@ def gather(states: Sequence[ModelState]) -> ModelState:
     if placed[0].scheme == "pipeline":
         runs = sorted(zip(placed, ordered, strict=True), key=lambda p: p[0].layers or (0, 0))
         _check_pipeline_cover([p for p, _ in runs])
-        return ModelState(tuple(layer for _, s in runs for layer in s.layers))
+        return trusted(ModelState)(tuple(layer for _, s in runs for layer in s.layers))
     counts = {len(s.layers) for s in ordered}
     if len(counts) != 1:
         raise PlacementError(f"gather: the ranks' states have {sorted(counts)} layers; one count")
-    return ModelState(
+    return trusted(ModelState)(
         tuple(
             _join([s.layers[i] for s in ordered], f"layers[{i}]")
             for i in range(len(ordered[0].layers))
@@ -173,7 +173,7 @@ def scatter(state: ModelState, placements: Sequence[Placement]) -> list[ModelSta
                 _split(layer, p.rank, p.size, f"layers[{i}]")
                 for i, layer in enumerate(state.layers)
             )
-        out.append(ModelState(layers, str(p)))
+        out.append(trusted(ModelState)(layers, str(p)))
     if placed and placed[0].scheme == "pipeline":
         _check_pipeline_cover(placed, len(state.layers))
     return out
