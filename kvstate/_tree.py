@@ -109,6 +109,8 @@ def _builder(cls: type, fields: Any) -> Callable[..., Any]:
     exec(compile(source, f"<kvstate trusted builder of {cls.__qualname__}>", "exec"), scope)
     build: Callable[..., Any] = scope["build"]
     build.__qualname__ = f"trusted({cls.__qualname__})"
+    init = getattr(cls.__init__, "__annotations__", {})  # type: ignore[misc]
+    build.__annotations__ = {**{k: v for k, v in init.items() if k != "return"}, "return": cls}
     return build
 
 

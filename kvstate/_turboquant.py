@@ -229,10 +229,10 @@ def _(state: TurboQuantKV, values: bool) -> list[str]:
         if len({tuple(a.shape[:3]) for a in positional.values()}) > 1:
             shapes = ", ".join(f"{f} {tuple(a.shape)}" for f, a in positional.items())
             return [f"the arrays disagree in batch, heads or capacity (axes 0-2): {shapes}"]
-        capacity = int(state.key_indices.shape[2])
+        indices = positional["key_indices"]  # every scheme has indices
+        capacity = int(indices.shape[2])
         # The arrays' rows, not batch_size_of's (which reads left_padding first).
-        batch = int(state.key_indices.shape[0])
-        found += rows_problems("left_padding", state.left_padding, batch, "key_indices")
+        found += rows_problems("left_padding", state.left_padding, indices.shape[0], "key_indices")
     else:
         found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
     found += static_int("length", state.length, 0, capacity)
