@@ -49,7 +49,7 @@ def _time(fn: Callable[[], Any], inner: int, reps: int = 7) -> float:
 
 
 def null_model(layers: int) -> Any:
-    """A model that writes one token of K/V into every layer's cache and returns fixed
+    """A model that writes each token's K/V (ones) into every layer's cache and returns fixed
     logits: a wrapped forward of it costs the wrapper's bookkeeping alone, without the math.
     An `nn.Module`, since `wrap` walks the model's modules (its placement)."""
     import mlx.core as mx
@@ -63,8 +63,10 @@ def null_model(layers: int) -> Any:
             self.logits = mx.zeros((1, 1, 256), mx.float16)
 
         def __call__(self, tokens: Any, cache: list[Any]) -> Any:
+            width = tokens.shape[1]
+            kv = self.kv if width == 1 else mx.ones((1, 2, width, 64), mx.float16)
             for c in cache:
-                c.update_and_fetch(self.kv, self.kv)
+                c.update_and_fetch(kv, kv)
             return self.logits
 
     return NullModel()
