@@ -14,12 +14,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import StateError
 from ._shared import array_kv_config, shared_appended, uniform_count
 from ._tree import State, replace, trusted
 from ._unpadded_kv import (
     held,
     kv_batch_size,
+    no_batch_axis,
     require_one_span,
     take_kv_rows,
     trimmed,
@@ -113,7 +113,7 @@ def _(state: ChunkedKV, counts: tuple[int, ...], checkpoints: Any) -> ChunkedKV:
 
 @take_rows.register
 def _(state: ChunkedKV, rows: tuple[int, ...]) -> ChunkedKV:
-    taken = take_kv_rows(state, rows, " (an empty state takes the batch size of its first forward)")
+    taken = take_kv_rows(state, rows)
     previous = state.previous
     # An empty `previous` has no batch axis and needs none: it restores to empty.
     if state.keys is None or previous is None or previous.keys is None:
@@ -132,10 +132,7 @@ def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
     )
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
-        raise StateError(
-            "merge: empty ChunkedKV states have no batch axis to merge along; merge after "
-            "the first forward (prefill)"
-        )
+        raise no_batch_axis(first, "merge")
     k0, v0 = filled[0].keys, filled[0].values
     assert k0 is not None and v0 is not None
     n = held(first)

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from ._dense import DenseKV, commit_ragged, used
-from ._errors import ConfigMismatchError, StateError, require
+from ._errors import ConfigMismatchError, NotSupportedError, StateError, require
 from ._padded_rows import Layout
 from ._padded_rows import register as register_padded_rows
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
@@ -273,14 +273,6 @@ def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> Quantize
 # ---------------------------------------------------------------------------- rows
 
 
-def _no_batch_axis(state: QuantizedKV, what: str) -> StateError:
-    return StateError(
-        f"{what}: an empty {type(state).__name__} has no arrays, so no batch axis to gather "
-        "rows along; run the first forward (prefill) before tiling or selecting rows "
-        "(an empty state takes the batch size of its first forward)"
-    )
-
-
 @take_rows.register
 def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
     index = mx.array(rows, mx.int32)
@@ -360,12 +352,12 @@ def quantize(
     )
     if isinstance(state, DenseKV):
         return _quantize_dense(state, empty)
-    require(
-        isinstance(state, Composite),
-        StateError,
-        f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
-        f"{type(state).__name__}",
-    )
+    if not isinstance(state, Composite):
+        # Another kind of state is well-formed: quantize does not do it (NotSupportedError).
+        raise (NotSupportedError if isinstance(state, State) else StateError)(
+            f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
+            f"{type(state).__name__}"
+        )
     return _quantize_layers(state, empty)
 
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._composite import ListState, ModelState
-from ._errors import DivergenceError, PlacementError, StateError
+from ._errors import DivergenceError, NotSupportedError, PlacementError
 from ._placement import Placement, placement_of
 from ._recurrent import RecurrentState
 from ._tree import State, rebuild, statics, trusted
@@ -68,7 +68,10 @@ def agree(values: Sequence[int], group: Any = None, *, what: str = "values") -> 
         return ints
     outside = [v for v in ints if not _INT32[0] <= v <= _INT32[1]]
     if outside:
-        raise StateError(f"agree: values must fit in int32; got {outside[:4]}")
+        raise NotSupportedError(
+            f"agree: values must fit in int32 (the group exchanges them as int32); got "
+            f"{outside[:4]}"
+        )
     digests = _all_gather_rows(_digest(ints), group)
     if all(d == digests[0] for d in digests):
         return ints

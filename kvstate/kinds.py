@@ -179,7 +179,7 @@ def kind_named(name: str) -> type | None:
 
 def _check_construction(state: Any) -> None:
     """Every constructor's last step: raise `ShapeError` if the fields disagree."""
-    found = construction_problems(state)
+    found = construction_problems.dispatch(state.__class__)(state)
     if found:
         raise inconsistent(type(state).__name__, found)
 
@@ -496,6 +496,21 @@ def _(state: Composite, values: bool) -> list[str]:
 
 @construction_problems.register
 def _(state: Composite) -> list[str]:
+    # Every forward of a wrapped model builds one: the usual case (parts of one batch and
+    # one pending forward) is answered in one pass; anything else gets the messages.
+    parts, cls = state.parts, state.__class__
+    if type(parts) is tuple:
+        batch_of, appended_by = batch_size_of.dispatch, appended_of.dispatch
+        batches, appended = set(), set()
+        for p in parts:
+            kind = p.__class__
+            if not isinstance(p, State) or isinstance(p, cls):
+                break
+            batches.add(batch_of(kind)(p))
+            appended.add(appended_by(kind)(p))
+        else:
+            if len(batches) <= 1 and len(appended) <= 1:
+                return []
     return _parts_problems(state) or _parts_agree(state)
 
 
