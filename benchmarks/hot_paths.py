@@ -9,7 +9,7 @@ What it times (per call, each ending in an eval of what it produced):
 - commit / ragged commit / tile / row_select / filter / merge / extend / extract on a
   16-layer, 4-row DenseKV ModelState of 300 tokens.
 
-The earlier commit is checked out into a temporary git worktree; worker processes of the two
+The earlier commit's files are copied into a temporary folder; worker processes of the two
 versions alternate (old, new, new, old, ...), each timing every operation once, so drift on a
 shared machine hits both. Figures are medians over workers of new / old per-call time.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,10 +126,14 @@ def worker() -> dict[str, float]:
     return out
 
 
-def _worktree(rev: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="kvstate-")) / "old"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True,
-                   capture_output=True)  # fmt: skip
+def _export(rev: str) -> Path:
+    """The files of commit `rev` in a new temporary folder: a plain copy (`git archive`), not
+    a git worktree, so that no `git worktree prune / remove` elsewhere can take it away
+    during the run."""
+    path = Path(tempfile.mkdtemp(prefix="hot-paths-")) / "old"
+    path.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(path)], input=archive.stdout, check=True)
     return path
 
 
@@ -155,7 +160,7 @@ def main() -> None:
     parser.add_argument("--against", default="d37287d", help="the earlier commit")
     parser.add_argument("--workers", type=int, default=8, help="worker processes per version")
     args = parser.parse_args()
-    old_tree = _worktree(args.against)
+    old_tree = _export(args.against)
     try:
         runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for i in range(args.workers):
@@ -164,8 +169,7 @@ def main() -> None:
                 runs[side].append(_run_worker(old_tree if side == "old" else ROOT))
             print(f"worker pair {i + 1}/{args.workers} done", file=sys.stderr)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT,
-                       check=False, capture_output=True)  # fmt: skip
+        shutil.rmtree(old_tree.parent, ignore_errors=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                           capture_output=True).stdout.strip()  # fmt: skip
     print(f"## hot paths: this checkout ({head}) vs {args.against}\n")

@@ -25,7 +25,7 @@ from ._unpadded_kv import (
     trimmed,
     window_span_problems,
 )
-from ._validation import kv_pair_problems, typed_statics
+from ._validation import kv_pair_problems, previous_rows_problems, typed_statics
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -76,6 +76,7 @@ def _(state: ChunkedKV, values: bool) -> list[str]:
         found += [f"previous.{m}" for m in problems(prev, values)]
         if prev.chunk_size != state.chunk_size or prev.previous is not None or prev.appended:
             found.append("previous: one state of the same chunk_size, with nothing pending")
+        found += previous_rows_problems(state, prev)
     return found
 
 

@@ -32,7 +32,13 @@ import mlx.core as mx
 from ._errors import CommitError
 from ._shared import shared_appended, uniform_count
 from ._tree import State, host_ints, replace, trusted
-from ._validation import array_problems, rows_problems, static_int, typed_statics
+from ._validation import (
+    array_problems,
+    previous_rows_problems,
+    rows_problems,
+    static_int,
+    typed_statics,
+)
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -192,7 +198,7 @@ def _previous_problems(state: PooledKV, values: bool) -> list[str]:
     found = [f"previous.{m}" for m in problems(prev, values)]
     if prev.ratio != state.ratio or prev.previous is not None or prev.appended:
         found.append("previous: one state of the same ratio, with nothing pending")
-    return found
+    return found + previous_rows_problems(state, prev)
 
 
 @batch_size_of.register

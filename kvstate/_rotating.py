@@ -26,7 +26,13 @@ import mlx.core as mx
 from ._errors import CommitError, ConfigMismatchError
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, host_ints, replace, trusted
-from ._validation import kv_pair_problems, rows_problems, static_int, typed_statics
+from ._validation import (
+    kv_pair_problems,
+    previous_rows_problems,
+    rows_problems,
+    static_int,
+    typed_statics,
+)
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -142,7 +148,7 @@ def _previous_problems(state: RotatingKV, prev: Any, values: bool) -> list[str]:
         found.append("previous: max_size and keep must be the state's own")
     if prev.previous is not None or prev.appended:
         found.append("previous: holds one window, with no record or pending forward of its own")
-    return found
+    return found + previous_rows_problems(state, prev)
 
 
 @capabilities_of.register

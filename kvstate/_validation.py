@@ -12,8 +12,16 @@ import mlx.core as mx
 
 from ._errors import inconsistent
 from ._ints import as_int, as_ints, is_int
-from ._tree import State, TreeDef, check_leaves, children, host_ints, unflatten_unchecked
-from .kinds import kind_named, problems
+from ._tree import (
+    State,
+    TreeDef,
+    check_leaves,
+    children,
+    host_ints,
+    tree_leaves,
+    unflatten_unchecked,
+)
+from .kinds import batch_size_of, kind_named, problems
 
 __all__ = ["as_int", "as_ints", "check", "is_int", "tree_unflatten"]
 
@@ -32,8 +40,10 @@ def check(state: S, *, values: bool = True) -> S:
     are integers within the buffers, that bookkeeping arrays are integer (B,) vectors, and
     (with `values`, one host sync of the small per-row arrays) that left padding and per-row
     positions lie within the buffers. `load`, `tree_unflatten` and
-    `kvstate.adapters.from_mlx_lm` run it; call it on states you build by hand. The
-    transforms do not (their outputs are consistent by construction, and they stay fast).
+    `kvstate.adapters.from_mlx_lm` run it. A state's constructor runs the part without
+    `values` (on its own level: a composite's parts were checked when they were made); call
+    `check` on states you build by hand for the rest. The transforms do not (their outputs
+    are consistent by construction, and they stay fast).
     """
     found = problems(state, values)
     if found:
@@ -151,6 +161,15 @@ def rows_problems(name: str, a: Any, batch: int, of: str = "the state") -> list[
     if a.shape[0] != batch:
         return [f"{name}: has {a.shape[0]} rows, but {of} has {batch}"]
     return []
+
+
+def previous_rows_problems(state: Any, previous: Any) -> list[str]:
+    """A `previous` (the state before the last forward, kept for its rollback) that holds
+    arrays has the state's rows (an empty one has no batch axis yet and fits any)."""
+    if not tree_leaves(previous):
+        return []
+    rows, batch = batch_size_of(previous), batch_size_of(state)
+    return [] if rows == batch else [f"previous: batch {rows}, but the state has {batch}"]
 
 
 def ints_within(name: str, a: mx.array | None, low: int, high: int) -> list[str]:

@@ -105,7 +105,8 @@ def for_every_kind(prop: Callable[[Any, dict[str, int]], None]) -> Callable[[Any
 
 def _batch_rows(state: Any, tested: dict[str, int]) -> None:
     """One more row in any one array (per-row bookkeeping included) of a state of several
-    arrays is refused, naming the array's field."""
+    arrays is refused, naming the array's field; so is a record of the window before the
+    last forward (`previous`) of other rows than the state's."""
     found = list(slots(state))
     if len(found) < 2:
         return  # one array agrees with itself: nothing to disagree with
@@ -113,6 +114,11 @@ def _batch_rows(state: Any, tested: dict[str, int]) -> None:
         if a.ndim == 0:
             continue
         refused(lambda: with_slot(state, name, index, grown(a, 0)), name)  # noqa: B023
+        tested["count"] += 1
+    previous = getattr(state, "previous", None)
+    if previous is not None and ks.tree_flatten(previous)[0]:
+        rows = [0] * (kinds.batch_size_of(previous) + 1)
+        refused(lambda: attrs.evolve(state, previous=ks.row_select(previous, rows)), "previous")
         tested["count"] += 1
 
 
