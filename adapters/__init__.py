@@ -8,7 +8,7 @@ mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` 
 from . import _chunked, _dense, _quantized, _recurrent, _rotating, _turboquant, _vlm_only  # noqa: F401
 from ._attention_routing import route_attention
 from ._convert import from_mlx_lm, to_mlx_lm
-from ._mtp_head import MTPHead
 from ._wrap import WrappedModel, wrap
+from .models.mtp_head import MTPHead
 
 __all__ = ["MTPHead", "WrappedModel", "from_mlx_lm", "route_attention", "to_mlx_lm", "wrap"]

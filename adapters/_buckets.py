@@ -31,7 +31,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
 from ._attention_routing import ROUTES, attention_routed
-from ._verify_attention import attention_for_device, supported, takes
+from .kernels.verify_attention import attention_for_device, supported, takes
 
 STEP = 256
 FORCE: bool | None = None  # tests set True to bucket on any device

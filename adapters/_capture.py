@@ -111,7 +111,7 @@ def _recording_gated_delta(
     """mlx-lm's `gated_delta_update` (same gates), recording the state after every token."""
     from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
 
-    from ._gated_delta import gated_delta_steps
+    from .kernels.gated_delta import gated_delta_steps
 
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
@@ -147,7 +147,7 @@ def _recording_ssm(
     lengths: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """mlx-lm's `ssm_update`, recording the state after every token."""
-    from ._ssm import ssm_steps
+    from .kernels.ssm import ssm_steps
 
     if lengths is not None:  # a right-padded prompt: not a verify, leave no record
         from mlx_lm.models.ssm import ssm_update

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 import kvstate as ks
 from kvstate.adapters import _buckets as buckets
 from kvstate.adapters import wrap
-from kvstate.adapters._verify_attention import MAX_QUERIES
+from kvstate.adapters.kernels.verify_attention import MAX_QUERIES
 from kvstate.adapters.tiny_models import tiny_model
 
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 1, 2], [5, 6, 7], [9, 10, 11, 12, 13, 14]]
@@ -153,7 +153,7 @@ def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take
      (1, 8, 1, 17, 2100, 128)],
 )  # fmt: skip
 def test_verify_kernel_equals_mlx_attention(dtype, batch, heads, kv_heads, tokens, keys, dim):
-    from kvstate.adapters._verify_attention import verify_attention
+    from kvstate.adapters.kernels.verify_attention import verify_attention
 
     rng = np.random.default_rng(tokens + keys)
     q = mx.array(rng.standard_normal((batch, heads, tokens, dim)), dtype)

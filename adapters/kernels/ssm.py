@@ -68,7 +68,7 @@ def ssm_steps(
         states[:, -1] is the state `ssm_update` would return.
     """
     dt, dt_a, state = _prepared(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask)
-    kernel = _gpu_kernel() if use_kernel else None
+    kernel = gpu_kernel() if use_kernel else None
     if kernel is None or x.shape[1] == 0:
         return _ops_steps(x, B, C, D, dt, dt_a, state)
     return _run_kernel(kernel, x, B, C, D, dt, dt_a, state)
@@ -96,7 +96,7 @@ def _prepared(
     return dt, dt_a, state.astype(mx.float32)
 
 
-def _gpu_kernel() -> _Kernel | None:
+def gpu_kernel() -> _Kernel | None:
     """The kernel for the default device, or None where the ops path runs (the CPU)."""
     if mx.default_device() != mx.gpu:
         return None

@@ -63,13 +63,13 @@ def gated_delta_steps(
     Hv, Dv = v.shape[2:]
     if T == 0:
         return mx.zeros((B, 0, Hv, Dv), q.dtype), mx.zeros((B, 0, Hv, Dv, Dk), state.dtype)
-    kernel = _gpu_kernel(vectorized=g.ndim == 4, masked=mask is not None) if use_kernel else None
+    kernel = gpu_kernel(vectorized=g.ndim == 4, masked=mask is not None) if use_kernel else None
     if kernel is None:
         return _ops_steps(q, k, v, g, beta, state, mask)
     return _run_kernel(kernel, q, k, v, g, beta, state, mask)
 
 
-def _gpu_kernel(vectorized: bool, masked: bool) -> _Kernel | None:
+def gpu_kernel(vectorized: bool, masked: bool) -> _Kernel | None:
     """The kernel for the default device, or None where the ops path runs (the CPU)."""
     if mx.default_device() != mx.gpu:
         return None
