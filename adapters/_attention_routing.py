@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList
 
 from ._capture import _reading
-from ._quantized import QuantizedStateCache
+from .caches.quantized_cache import QuantizedStateCache
 
 NAME = "scaled_dot_product_attention"
 

@@ -32,9 +32,10 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList
 
 from kvstate import ConvWindow, StepStates
+
+from .caches.walk import arrays_caches
 
 
 class Mixer(NamedTuple):
@@ -301,20 +302,6 @@ def recording(mixers: list[tuple[nn.Module, Mixer]], caches: list[Any]) -> Itera
             module.__class__ = cls
         for cache in recurrent:
             cache.__dict__.pop(_RECORDS, None)
-
-
-LIST_CACHES: tuple[type[Any], ...] = (CacheList,)
-RECURRENT_CACHES: tuple[type[Any], ...] = (ArraysCache,)
-"""Cache classes `arrays_caches` walks into / yields (`_vlm_caches` adds mlx-vlm's copies)."""
-
-
-def arrays_caches(caches: Any) -> Iterator[Any]:
-    """Every ArraysCache of a model's caches, in state order (CacheList parts included)."""
-    for c in caches if isinstance(caches, list) else [caches]:
-        if isinstance(c, LIST_CACHES):
-            yield from arrays_caches(list(c.caches))
-        elif isinstance(c, RECURRENT_CACHES):
-            yield c
 
 
 def step_checkpoints(record: Record, before: tuple[mx.array | None, ...], after: Any) -> Any:

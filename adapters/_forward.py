@@ -22,10 +22,10 @@ from kvstate.kinds import Composite, record_forward
 
 from . import _buckets as buckets
 from ._attention_routing import needs_routing, route_attention
-from ._capture import Mixer, Record, arrays_caches, recording, step_checkpoints
-from ._convert import CONVERTERS as _CONVERTERS
-from ._convert import converter_of, to_cache
+from ._capture import Mixer, Record, recording, step_checkpoints
 from ._hidden import Projection, hidden_states, recording_hidden
+from .caches.registry import CONVERTERS, converter_of, to_cache
+from .caches.walk import arrays_caches
 
 
 class Forward(NamedTuple):
@@ -108,7 +108,7 @@ def read_back(caches: list[Any], befores: Sequence[Any], width: int) -> ModelSta
     with their own `record_forward` pay for a second dispatch, and only they read `befores`)."""
     layers = []
     for c, before in zip(caches, befores, strict=True):
-        layer = (_CONVERTERS.get(c.__class__) or converter_of(c))(c, width)
+        layer = (CONVERTERS.get(c.__class__) or converter_of(c))(c, width)
         layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
     return ModelState(tuple(layers))
 

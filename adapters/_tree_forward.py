@@ -55,8 +55,8 @@ from kvstate.kinds import as_int, record_forward
 
 from . import _buckets as buckets
 from ._capture import Mixer, Record, recording
-from ._convert import from_cache, to_cache
 from ._forward import _per_recurrent
+from .caches.registry import from_cache, to_cache
 
 _ATTENTION = (KVCache, BatchKVCache, ConcatenateKVCache, RotatingKVCache)
 # Rope classes that pass `offset` straight to mx.fast.rope (so a per-row array works).

@@ -26,11 +26,13 @@ from mlx_vlm.models.cache import make_prompt_cache
 from kvstate import ModelState, ShapeError, StateError, tree_flatten
 from kvstate.kinds import as_int
 
-from ._capture import arrays_caches, known_mixers
-from ._convert import from_cache, from_mlx_lm
+from ._capture import known_mixers
 from ._forward import run
-from ._vlm_caches import to_vlm_cache
 from ._wrap import WrappedModel, _check_lengths, _poisoned
+from .caches.convert import from_mlx_lm
+from .caches.registry import from_cache
+from .caches.vlm import to_vlm_cache
+from .caches.walk import arrays_caches
 
 
 class _Unset:

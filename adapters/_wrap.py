@@ -27,12 +27,13 @@ from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 from ._capture import Mixer, known_mixers
 from ._chain import ID_DTYPES
 from ._chain import chain as _chain
-from ._convert import from_cache, from_mlx_lm
 from ._fit import layer_mismatches
 from ._forward import run
 from ._hidden import Projection, output_projections
 from ._kept import KeptCaches
 from ._placement import model_placement
+from .caches.convert import from_mlx_lm
+from .caches.registry import from_cache
 
 
 class WrappedModel:

@@ -23,7 +23,7 @@ from verify import BIG, RawDecoder, WrapDecoder, build, decode_block, random_ids
 
 from kvstate import ModelState
 from kvstate.adapters import _wrap, wrap
-from kvstate.adapters._convert import from_cache
+from kvstate.adapters.caches.registry import from_cache
 
 
 def guard_by_ops(ids: mx.array, vocab: int) -> tuple[mx.array, mx.array]:

@@ -8,7 +8,7 @@ from mlx_vlm.models import cache as vlm
 
 from kvstate import StaticPrefixKV
 
-from ._convert import fresh, register_from
+from ..registry import fresh, register_from
 
 
 @register_from(vlm.StaticPrefixKVCache)

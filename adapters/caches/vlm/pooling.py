@@ -4,7 +4,7 @@ BatchPoolingCache keeps its per-row bookkeeping in Python lists; its `_processed
 always `pool_length * ratio + remainder` between forwards (update_and_fetch, merge and trim
 keep it so), so the state holds the two and the cache made back recomputes the third. A cache
 between prepare() and finalize() (per-row `_lengths` set) or inside mlx-vlm's own speculation
-transaction is refused: both describe a forward in progress, not a state.
+transaction is refused (`compat`): both describe a forward in progress, not a state.
 """
 
 from __future__ import annotations
@@ -17,23 +17,15 @@ from mlx_vlm.models import cache as vlm
 from kvstate import PooledKV, StateError
 from kvstate.kinds import host_ints
 
-from ._convert import fresh, register_from
+from ..compat import check_settled, refuse_mid_prompt
+from ..registry import fresh, register_from
 
 _NO_LIMIT = 2**31  # BatchPoolingCache's per-row `_lengths` outside prepare() / finalize()
 
 
-def _settled(cache: Any, name: str) -> None:
-    if cache.is_speculating:
-        raise StateError(
-            f"from_mlx_vlm: this {name} is inside an mlx-vlm speculation transaction "
-            "(start_speculation() without commit_speculation() / abort_speculation()); settle "
-            "it first, then convert (kvstate rolls back with commit_prefix instead)"
-        )
-
-
 @register_from(vlm.PoolingCache)
 def _(cache: vlm.PoolingCache, appended: int = 0) -> PooledKV:
-    _settled(cache, "PoolingCache")
+    check_settled(cache)
     return PooledKV(
         fresh(cache.buf_kv),
         fresh(cache.buf_gate),
@@ -46,13 +38,9 @@ def _(cache: vlm.PoolingCache, appended: int = 0) -> PooledKV:
 
 @register_from(vlm.BatchPoolingCache)
 def _(cache: vlm.BatchPoolingCache, appended: int = 0) -> PooledKV:
-    _settled(cache, "BatchPoolingCache")
+    check_settled(cache)
     if any(length != _NO_LIMIT for length in cache._lengths):
-        raise StateError(
-            "from_mlx_vlm: this BatchPoolingCache is between prepare(lengths=...) and "
-            f"finalize() (_lengths = {cache._lengths}); call cache.finalize() after the padded "
-            "prompt forward, then convert"
-        )
+        refuse_mid_prompt(cache, "_lengths", cache._lengths)
     expected = [
         p * cache.ratio + r for p, r in zip(cache._pool_lengths, cache.remainder, strict=True)
     ]

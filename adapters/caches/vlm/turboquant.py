@@ -8,8 +8,8 @@ bits) or a `TurboQuantSplitState(low, high)` of two of them (fractional bits, ml
 of 1), the codec statics and a split side's high channels, and the caches made back get
 codecs rebuilt from them as mlx-vlm builds them (keys `seed`, values `seed + 1`, a split
 side's high codec its seed + 97). Codec objects of any other class (Prod / Polar, which
-mlx-vlm's caches never build) are refused with a StateError naming the class. Imported by
-`_vlm_caches` (so only when mlx_vlm is).
+mlx-vlm's caches never build) are refused with a NotSupportedError naming the class. Part of
+`caches.vlm` (imported only with mlx_vlm).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm import turboquant as tq
 
-from kvstate import StateError, TurboQuantKV
+from kvstate import NotSupportedError, TurboQuantKV
 from kvstate.kinds import replace
 from kvstate.turboquant import is_split, low_channels, scheme_of
 
-from ._convert import fresh, register_from
+from ..registry import fresh, register_from
 
 _SIDES = ("key", "value")
 
@@ -41,19 +41,19 @@ def _side_codec(cache: Any, side: str, codec: Any) -> tuple[int, mx.array | None
     if type(codec) is tq._TurboQuantMSECodec:
         return int(codec.dim), None
     if type(codec) is not tq._SplitCodec:
-        raise StateError(
+        raise NotSupportedError(
             f"{where} is a {type(codec).__name__} ({side}_bits={codec_bits(cache, side)}); "
             "kvstate's TurboQuantKV holds _TurboQuantMSECodec (integer bits) and _SplitCodec "
             "over it (x.5 bits), the codecs mlx-vlm's caches build"
         )
     if codec.mode != "mse" or type(codec.low_codec) is not tq._TurboQuantMSECodec:
-        raise StateError(
+        raise NotSupportedError(
             f"{where} is a _SplitCodec of mode {codec.mode!r}; TurboQuantKV holds mode 'mse'"
         )
     dim = int(codec.dim)
     high = np.array(codec.high_idx).tolist()
     if np.array(codec.low_idx).tolist() != low_channels(dim, high) or high != sorted(set(high)):
-        raise StateError(
+        raise NotSupportedError(
             f"{where} is a _SplitCodec whose channels are not mlx-vlm's order (sorted high "
             "channels, the rest low in order); TurboQuantKV cannot rebuild it"
         )
@@ -88,7 +88,7 @@ def _spec(cache: Any) -> TurboQuantKV:
 
 def _mse_arrays(mse: Any) -> list[mx.array]:
     if type(mse) is not tq.TurboQuantMSEState:
-        raise StateError(
+        raise NotSupportedError(
             f"from_mlx_vlm: a TurboQuant cache holding a {type(mse).__name__}; kvstate's "
             "TurboQuantKV holds TurboQuantMSEState and TurboQuantSplitState of them"
         )
@@ -100,7 +100,7 @@ def _side_fields(side: str, held: Any, split: bool) -> dict[str, mx.array]:
         norms, indices = _mse_arrays(held)
         return {f"{side}_norms": norms, f"{side}_indices": indices}
     if type(held) is not tq.TurboQuantSplitState:
-        raise StateError(
+        raise NotSupportedError(
             f"from_mlx_vlm: a split {side} codec holding a {type(held).__name__}, not a "
             "TurboQuantSplitState"
         )
@@ -218,7 +218,7 @@ def _hybrid_side(cache: Any, side: str) -> tuple[dict[str, Any], dict[str, Any]]
         arrays = {f"{side}_indices": fresh(packed), f"{side}_scales": fresh(scales)}
         return statics | {f"{side}_dim": dim}, arrays | {f"{side}_biases": fresh(biases)}
     if type(quantizer) is not tq._TurboTensorQuantizer:
-        raise StateError(
+        raise NotSupportedError(
             f"from_mlx_vlm: HybridQuantKVCache's {side} quantizer is a "
             f"{type(quantizer).__name__}; kvstate knows _UniformTensorQuantizer and "
             "_TurboTensorQuantizer"
@@ -235,7 +235,7 @@ def _hybrid_side(cache: Any, side: str) -> tuple[dict[str, Any], dict[str, Any]]
 def _(cache: tq.HybridQuantKVCache, appended: int = 0) -> TurboQuantKV:
     policy = cache.policy
     if policy.key.group_size != policy.value.group_size:
-        raise StateError(
+        raise NotSupportedError(
             "from_mlx_vlm: HybridQuantKVCache with key group_size "
             f"{policy.key.group_size} and value group_size {policy.value.group_size}; its "
             "meta_state (and TurboQuantKV) keep one group size"
@@ -276,7 +276,7 @@ def to_hybrid_cache(state: TurboQuantKV) -> Any:
 
     if state.left_padding is not None:
         if any(np.array(state.left_padding).tolist()):
-            raise StateError(
+            raise NotSupportedError(
                 "to_mlx_vlm: HybridQuantKVCache holds one length for all rows (no left "
                 f"padding); this state's rows are padded {np.array(state.left_padding).tolist()}"
                 ": extract the rows (kvstate.extract) and give each back on its own"

@@ -7,11 +7,14 @@ mlx-lm's in-place updates (`ArraysCache.advance` does `self.lengths -= n`, model
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from kvstate import ListState, RecurrentState
 
-from ._convert import fresh, from_cache, register_from, to_cache
+from .registry import LM, fresh, from_cache, register_from, to_cache
 
 
 @register_from(ArraysCache)
@@ -30,8 +33,10 @@ def _(cache: CacheList, appended: int = 0) -> ListState:
 
 
 @to_cache.register
-def _(state: RecurrentState) -> ArraysCache:
-    cache = ArraysCache.__new__(ArraysCache)  # __init__ would turn left_padding into a list
+def _(state: RecurrentState, lib: ModuleType = LM) -> Any:
+    # Not __init__, which would turn left_padding into a list; mlx-vlm's __new__ zeroes its
+    # advance counters.
+    cache = lib.ArraysCache.__new__(lib.ArraysCache)
     cache.cache = [fresh(a) for a in state.arrays]
     cache.left_padding = fresh(state.left_padding)
     cache.lengths = fresh(state.lengths)
@@ -39,5 +44,5 @@ def _(state: RecurrentState) -> ArraysCache:
 
 
 @to_cache.register
-def _(state: ListState) -> CacheList:
-    return CacheList(*(to_cache(s) for s in state.states))
+def _(state: ListState, lib: ModuleType = LM) -> Any:
+    return lib.CacheList(*(to_cache(s, lib) for s in state.states))

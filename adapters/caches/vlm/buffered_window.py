@@ -11,15 +11,15 @@ from typing import Any
 
 from mlx_vlm.models import cache as vlm
 
-from kvstate import BufferedWindowKV, StateError
+from kvstate import BufferedWindowKV, NotSupportedError, StateError
 
-from ._convert import fresh, register_from
+from ..registry import fresh, register_from
 
 
 @register_from(vlm.BufferedRotatingKVCache)
 def _(cache: vlm.BufferedRotatingKVCache, appended: int = 0) -> BufferedWindowKV:
     if cache.keep:
-        raise StateError(
+        raise NotSupportedError(
             f"from_mlx_vlm: a BufferedRotatingKVCache with keep={cache.keep} runs "
             "RotatingKVCache's ring buffer, which its linear-window state does not describe; "
             "no kvstate kind holds it (mlx-vlm's models build them with keep=0)"

@@ -1,92 +1,25 @@
-"""QuantizedKVCache / QuantizedStateCache <-> QuantizedKV.
-
-A QuantizedKV in mlx-lm's form (equal key and value bits and group sizes, no rotation, no
-pad channels, no left padding) becomes mlx-lm's own QuantizedKVCache, with mlx-lm's packing
-fixed on the instance: mlx-lm 0.32 allocates `dim // (32 // bits)` uint32 words per row, but
-`mx.quantize` emits `dim * bits // 32`; they differ for 3 bits at head dims 192 / 256 and for
-5 / 6 bits at most head dims, where mlx-lm's slice write fails. `update_and_fetch` is
-`packed_update_and_fetch`, identical but for that allocation, set as an instance attribute
-(not a subclass) so that mlx-lm's `save_prompt_cache` records the class `QuantizedKVCache`.
-
-Every other QuantizedKV becomes a `QuantizedStateCache`, whose attention is kvstate's
-`quantized_attention` (see `_attention_routing.route_attention`: the wrapped model's
-attention modules are routed to it; mlx-lm's own quantized attention has one bits for keys
-and values and knows no rotation).
+"""QuantizedStateCache: kvstate's own cache object for a QuantizedKV that mlx-lm's
+QuantizedKVCache cannot hold (keys and values at different bits or group sizes, a rotation,
+pad channels or left padding), read by kvstate's `quantized_attention` (a wrapped model's
+attention modules are routed to it: `instruments.routing`). Its cache -> state converter is
+registered here, next to the class.
 """
 
 from __future__ import annotations
 
-from types import MethodType
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
+from mlx_lm.models.cache import _BaseCache, dynamic_roll
 
-from kvstate import QuantizedKV, StateError, packed_width, quantized_attention
+from kvstate import NotSupportedError, QuantizedKV, StateError, quantized_attention
 from kvstate.kinds import replace
-from kvstate.quantization import is_mlx_lm_form, key_codec, value_codec, with_pads
+from kvstate.quantization import key_codec, value_codec, with_pads
 
-from ._convert import fresh, register_from, to_cache
-
-Quantized = tuple[mx.array, mx.array, mx.array]
-
-
-def packed_update_and_fetch(self: Any, keys: mx.array, values: mx.array) -> Any:
-    """mlx-lm's QuantizedKVCache.update_and_fetch with only `init_quant`'s width changed."""
-    B, n_kv_heads, num_steps, k_head_dim = keys.shape
-    v_head_dim = values.shape[-1]
-    prev = self.offset
-
-    if self.keys is None or (prev + num_steps) > self.keys[0].shape[-2]:
-        new_steps = (self.step + num_steps - 1) // self.step * self.step
-        shape = (B, n_kv_heads, new_steps)
-
-        def init_quant(dim: int) -> tuple[mx.array, mx.array, mx.array]:
-            return (
-                mx.zeros((*shape, packed_width(dim, self.bits)), dtype=mx.uint32),
-                mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
-                mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
-            )
-
-        def expand_quant(x: mx.array) -> mx.array:
-            new_x = mx.zeros((*shape, x.shape[-1]), dtype=x.dtype)
-            return mx.concatenate([x, new_x], axis=-2)
-
-        if self.keys is not None:
-            if prev % self.step != 0:
-                self.keys, self.values = tree_map(
-                    lambda x: x[..., :prev, :], (self.keys, self.values)
-                )
-            self.keys, self.values = tree_map(expand_quant, (self.keys, self.values))
-        else:
-            self.keys, self.values = init_quant(k_head_dim), init_quant(v_head_dim)
-
-    self.offset += num_steps
-
-    q_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-    q_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-    for i in range(len(self.keys)):
-        self.keys[i][..., prev : self.offset, :] = q_keys[i]
-        self.values[i][..., prev : self.offset, :] = q_values[i]
-
-    return self.keys_and_values()
-
-
-def _triple(q: Any) -> Quantized | None:
-    """A cache's (list or tuple) triple as a tuple of fresh arrays."""
-    if q is None:
-        return None
-    packed, scales, biases = q
-    return (fresh(packed), fresh(scales), fresh(biases))
-
-
-def packed_quantized_cache(group_size: int, bits: int) -> QuantizedKVCache:
-    """An mlx-lm QuantizedKVCache whose buffers hold `dim * bits // 32` words per row."""
-    cache = QuantizedKVCache(group_size=group_size, bits=bits)
-    cache.update_and_fetch = MethodType(packed_update_and_fetch, cache)  # type: ignore[method-assign]
-    return cache
+from .compat import refuse_mid_prompt
+from .registry import Quantized, fresh, register_from, triple
 
 
 class QuantizedStateCache(_BaseCache):
@@ -103,8 +36,8 @@ class QuantizedStateCache(_BaseCache):
 
     def __init__(self, state: QuantizedKV) -> None:
         self.spec = replace(state, keys=None, values=None, left_padding=None, appended=0)
-        self.keys = _triple(state.keys)
-        self.values = _triple(state.values)
+        self.keys = triple(state.keys)
+        self.values = triple(state.values)
         self.left_padding = fresh(state.left_padding)
         self._idx = state.length
         self._right_padding: mx.array | None = None
@@ -132,6 +65,19 @@ class QuantizedStateCache(_BaseCache):
             values=self.values,
             left_padding=self.left_padding,
             length=self._idx,
+        )
+
+    def read(self, appended: int = 0) -> QuantizedKV:
+        """The QuantizedKV this cache holds, in fresh arrays, stamped with `appended`."""
+        if self._right_padding is not None:
+            refuse_mid_prompt(self, "_right_padding", self._right_padding.tolist())
+        return replace(
+            self.spec,
+            keys=triple(self.keys),
+            values=triple(self.values),
+            left_padding=fresh(self.left_padding),
+            length=self._idx,
+            appended=appended,
         )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
@@ -185,7 +131,9 @@ class QuantizedStateCache(_BaseCache):
         right_padding: Any = None,
     ) -> None:
         if left_padding is not None:
-            raise StateError("QuantizedStateCache.prepare: left padding comes from the state")
+            raise NotSupportedError(
+                "QuantizedStateCache.prepare: left padding comes from the state"
+            )
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
 
@@ -233,42 +181,6 @@ def _grown(current: Quantized | None, new: Quantized, prev: int, n: int, step: i
     return (grow(0), grow(1), grow(2))
 
 
-@register_from(QuantizedKVCache)
-def _(cache: QuantizedKVCache, appended: int = 0) -> QuantizedKV:
-    return QuantizedKV(
-        _triple(cache.keys),
-        _triple(cache.values),
-        length=cache.offset,
-        appended=appended,
-        key_bits=cache.bits,
-        value_bits=cache.bits,
-        key_group_size=cache.group_size,
-        value_group_size=cache.group_size,
-    )
-
-
 @register_from(QuantizedStateCache)
 def _(cache: QuantizedStateCache, appended: int = 0) -> QuantizedKV:
-    if cache._right_padding is not None:
-        raise StateError(
-            "from_mlx_lm: this QuantizedStateCache is between prepare() and finalize(); call "
-            "cache.finalize() after the padded prompt forward, then convert"
-        )
-    return replace(
-        cache.spec,
-        keys=_triple(cache.keys),
-        values=_triple(cache.values),
-        left_padding=fresh(cache.left_padding),
-        length=cache._idx,
-        appended=appended,
-    )
-
-
-@to_cache.register
-def _(state: QuantizedKV) -> QuantizedKVCache | QuantizedStateCache:
-    if not is_mlx_lm_form(state):
-        return QuantizedStateCache(state)
-    cache: Any = packed_quantized_cache(state.key_group_size, state.key_bits)
-    cache.keys, cache.values = _triple(state.keys), _triple(state.values)
-    cache.offset = state.length
-    return cache
+    return cache.read(appended)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 from mlx_lm.models.cache import ChunkedKVCache
 
 from kvstate import ChunkedKV
 
-from ._convert import fresh, register_from, to_cache
+from .registry import LM, fresh, register_from, to_cache
 
 
 @register_from(ChunkedKVCache)
@@ -22,9 +25,9 @@ def _(cache: ChunkedKVCache, appended: int = 0) -> ChunkedKV:
 
 
 @to_cache.register
-def _(state: ChunkedKV) -> ChunkedKVCache:
+def _(state: ChunkedKV, lib: ModuleType = LM) -> Any:
     # `previous` stays with the state: a cache object has no rollback.
-    cache = ChunkedKVCache(state.chunk_size)
+    cache = lib.ChunkedKVCache(state.chunk_size)
     cache.keys, cache.values = fresh(state.keys), fresh(state.values)
     cache.offset, cache.start_position = state.offset, state.start_position
     return cache
