@@ -4,9 +4,18 @@ mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` 
 `from_mlx_lm` hand mlx-vlm objects to it; importing this package never imports mlx_vlm).
 """
 
-from ._attention_routing import route_attention
+from ._options import wrap_options
 from ._wrap import WrappedModel, wrap
 from .caches import from_mlx_lm, to_mlx_lm
+from .instruments.routing import route_attention
 from .models.mtp_head import MTPHead
 
-__all__ = ["MTPHead", "WrappedModel", "from_mlx_lm", "route_attention", "to_mlx_lm", "wrap"]
+__all__ = [
+    "MTPHead",
+    "WrappedModel",
+    "from_mlx_lm",
+    "route_attention",
+    "to_mlx_lm",
+    "wrap",
+    "wrap_options",
+]

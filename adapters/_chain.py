@@ -19,8 +19,8 @@ import mlx.core as mx
 from kvstate import ModelState, ShapeError, TokenError
 from kvstate.kinds import as_int
 
-from . import _buckets as buckets
 from ._forward import _own_stamp, open_caches, read_back
+from .instruments.buckets import bucketing
 
 if TYPE_CHECKING:
     from ._wrap import WrappedModel
@@ -69,7 +69,9 @@ def chain(
     # a one-token forward but its structure (mlx-vlm's pooled caches do: they go by calls).
     befores = [layer if _own_stamp(layer) else None for layer in state.layers]
     del state
-    with buckets.bucketing(caches, m.model) if buckets.enabled(width) else nullcontext():
+    policy = m.bucketing
+    kernel_model = m.model if policy.kernel else None
+    with bucketing(caches, kernel_model) if policy.enabled(width) else nullcontext():
         logits = m.model(ids, cache=caches)
     vocab = m.vocab_size
     lasts, picks, outside = [], [], []

@@ -20,12 +20,12 @@ import mlx.nn as nn
 from kvstate import ModelState, RecurrentState
 from kvstate.kinds import Composite, record_forward
 
-from . import _buckets as buckets
-from ._attention_routing import needs_routing, route_attention
-from ._capture import Mixer, Record, recording, step_checkpoints
-from ._hidden import Projection, hidden_states, recording_hidden
 from .caches.registry import CONVERTERS, converter_of, to_cache
 from .caches.walk import arrays_caches
+from .instruments.buckets import AUTO, Bucketing, bucketing
+from .instruments.capture import Mixer, Record, recording, step_checkpoints
+from .instruments.hidden import Projection, hidden_states, recording_hidden
+from .instruments.routing import needs_routing, route_attention
 
 
 class Forward(NamedTuple):
@@ -47,6 +47,7 @@ def run(
     convert: Callable[[Any], Any] = to_cache,
     projections: list[Projection] | None = None,
     caches: list[Any] | None = None,
+    policy: Bucketing = AUTO,
 ) -> Forward:
     """Run `tokens` (B, K) through `model` from `state` (both already checked).
 
@@ -55,7 +56,7 @@ def run(
     (mlx-lm's by default; `_vlm_wrap` passes mlx-vlm's). With `projections` (the model's
     `_hidden.output_projections`), also the input of its output projection. `caches`: cache
     objects that already hold exactly `state` (those a previous plain forward returned), used
-    instead of converting it.
+    instead of converting it. `policy`: where the key length is bucketed (see `buckets`).
     """
     if caches is None:
         caches = open_caches(model, state, convert)
@@ -68,8 +69,8 @@ def run(
     records: list[Record] | None = None
     sink: list[mx.array] | None = None
     with ExitStack() as scope:
-        if buckets.enabled(width):
-            scope.enter_context(buckets.bucketing(caches, model))
+        if policy.enabled(width):
+            scope.enter_context(bucketing(caches, model if policy.kernel else None))
         if capture and not any(c.lengths is not None for c in arrays_caches(caches)):
             records = scope.enter_context(recording(mixers or [], caches))
         if projections is not None:

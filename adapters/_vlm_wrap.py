@@ -26,7 +26,6 @@ from mlx_vlm.models.cache import make_prompt_cache
 from kvstate import ModelState, ShapeError, StateError, tree_flatten
 from kvstate.kinds import as_int
 
-from ._capture import known_mixers
 from ._forward import run
 from ._wrap import WrappedModel, _check_lengths, _poisoned
 from .caches.convert import from_mlx_lm
@@ -92,8 +91,17 @@ class VLMWrappedModel(WrappedModel):
     are not available for mlx-vlm models yet.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        buckets: bool | None = None,
+        verify_kernel: bool | None = None,
+        record_mixers: bool | None = None,
+    ) -> None:
+        super().__init__(
+            model, buckets=buckets, verify_kernel=verify_kernel, record_mixers=record_mixers
+        )
         self.language_model = cast(nn.Module, getattr(model, "language_model", model))
 
     def _caches(self) -> list[Any]:
@@ -156,7 +164,7 @@ class VLMWrappedModel(WrappedModel):
                 "capture=True"
             )
         if capture and self._mixers is None:
-            self._mixers = known_mixers(self.model)
+            self._mixers = self._known_mixers()
         step = LanguageStep(self.language_model, inputs)
         out = run(
             step,  # type: ignore[arg-type]
@@ -166,6 +174,7 @@ class VLMWrappedModel(WrappedModel):
             capture=capture,
             mixers=self._mixers,
             convert=to_vlm_cache if lengths is None else padded_prompt_cache,
+            policy=self.bucketing,
         )
         logits, new = _poisoned(out.logits, bad), self._ours(out.state)
         return (logits, new, out.checkpoints) if capture else (logits, new)

@@ -24,16 +24,17 @@ from kvstate import eval as evaluate
 from kvstate.distributed import with_placement
 from kvstate.kinds import as_int, batch_size_of, fit_config_of, vouch, vouched
 
-from ._capture import Mixer, known_mixers
 from ._chain import ID_DTYPES
 from ._chain import chain as _chain
 from ._fit import layer_mismatches
 from ._forward import run
-from ._hidden import Projection, output_projections
 from ._kept import KeptCaches
+from ._options import chosen
 from ._placement import model_placement
 from .caches.convert import from_mlx_lm
 from .caches.registry import from_cache
+from .instruments.capture import Mixer, known_mixers
+from .instruments.hidden import Projection, output_projections
 
 
 class WrappedModel:
@@ -53,8 +54,17 @@ class WrappedModel:
     a decode loop, or a speculative loop of verify and commit_prefix, pays for none of it.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        buckets: bool | None = None,
+        verify_kernel: bool | None = None,
+        record_mixers: bool | None = None,
+    ) -> None:
         self.model = model
+        # Options (see `kvstate.adapters.wrap_options`), decided once for this model.
+        self.bucketing, self._record_mixers = chosen(buckets, verify_kernel, record_mixers)
         self._layers: tuple[dict[str, Any], ...] | None = None  # fit configs, from a probe
         self._vocab = 0
         self._voucher = object()  # marks the states known to fit this model
@@ -91,7 +101,8 @@ class WrappedModel:
         first). Logits at q are those of a linear forward of q's root-to-q path. Returns
         `(logits, state with all T appended, checkpoints by position)`: keep one path with
         `kvstate.speculative.verify_tree` (see `_tree_forward`)."""
-        from ._tree_forward import check_parents, rope_modules, tree_run
+        from ._tree_forward import tree_run
+        from .instruments.tree import check_parents, rope_modules
 
         if type(self.model).__module__.startswith("mlx_vlm."):
             raise StateError(
@@ -104,11 +115,11 @@ class WrappedModel:
             raise StateError(f"tree_forward: takes one row of tokens; got {tokens.shape[0]}")
         links = check_parents(parents, tokens.shape[1])
         if self._mixers is None:
-            self._mixers = known_mixers(self.model)
+            self._mixers = self._known_mixers()
         if self._ropes is None:
             self._ropes = rope_modules(self.model)
         logits, new, checkpoints = tree_run(
-            self.model, tokens, state, links, self._mixers, self._ropes
+            self.model, tokens, state, links, self._mixers, self._ropes, self.bucketing
         )
         return _poisoned(logits, bad), self._ours(new, logits), checkpoints
 
@@ -141,17 +152,25 @@ class WrappedModel:
         if lengths is not None:
             _check_lengths(lengths, tokens.shape, capture)
         if capture and self._mixers is None:
-            self._mixers = known_mixers(self.model)
+            self._mixers = self._known_mixers()
         if hidden:
             return self._with_hidden(tokens, bad, state, lengths, capture)
         if capture or lengths is not None:
             mixers = self._mixers
-            out = run(self.model, tokens, state, lengths=lengths, capture=capture, mixers=mixers)
+            out = run(
+                self.model,
+                tokens,
+                state,
+                lengths=lengths,
+                capture=capture,
+                mixers=mixers,
+                policy=self.bucketing,
+            )
             logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
             return (logits, new, out.checkpoints) if capture else (logits, new)
         # A plain forward (every decode step): from the caches of the last one when `state`
         # is what that returned, and keep this one's for the next.
-        out = run(self.model, tokens, state, caches=self._kept.take(state))
+        out = run(self.model, tokens, state, caches=self._kept.take(state), policy=self.bucketing)
         logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
         self._kept.keep(new, out.caches)
         return logits, new
@@ -180,11 +199,16 @@ class WrappedModel:
             capture=capture,
             mixers=self._mixers,
             projections=self._projections,
+            policy=self.bucketing,
         )
         logits, new = _poisoned(out.logits, bad), self._ours(out.state, out.logits)
         assert out.hidden is not None
         hidden = _poisoned(out.hidden, bad)
         return (logits, new, out.checkpoints, hidden) if capture else (logits, new, hidden)
+
+    def _known_mixers(self) -> list[tuple[nn.Module, Mixer]]:
+        """The mixers a capturing forward records (none with record_mixers=False)."""
+        return known_mixers(self.model) if self._record_mixers else []
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -344,11 +368,21 @@ def _check_lengths(lengths: Sequence[int], shape: tuple[int, ...], capture: bool
         )
 
 
-def wrap(model: nn.Module) -> WrappedModel:
+def wrap(
+    model: nn.Module,
+    *,
+    buckets: bool | None = None,
+    verify_kernel: bool | None = None,
+    record_mixers: bool | None = None,
+) -> WrappedModel:
     """A pure view of an mlx-lm model: `logits, state = wrap(model)(tokens, state)`.
-    An mlx-vlm model gets `kvstate.adapters.vlm.wrap` (its caches, its language model)."""
+    An mlx-vlm model gets `kvstate.adapters.vlm.wrap` (its caches, its language model).
+    Options (None: the defaults in effect, see `kvstate.adapters.wrap_options`): `buckets`,
+    `verify_kernel` (how multi-token forwards attend on CUDA), `record_mixers` (False: every
+    recurrent layer's checkpoints by replay)."""
+    options = {"buckets": buckets, "verify_kernel": verify_kernel, "record_mixers": record_mixers}
     if any(c.__module__.startswith("mlx_vlm.") for c in type(model).__mro__):
         from .vlm import wrap as wrap_vlm  # imports mlx_vlm, which this model already did
 
-        return wrap_vlm(model)
-    return WrappedModel(model)
+        return wrap_vlm(model, **options)
+    return WrappedModel(model, **options)

@@ -12,7 +12,6 @@ import mlx.core as mx
 from mlx_vlm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import _forward as forward_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB
@@ -229,8 +228,9 @@ def test_known_mlx_vlm_mixers_verify_in_one_pass(language_model, monkeypatch):
 
         patch.setattr(forward_module, "_replay", no_replay)
         logits, after, fast = m(mx.array([draft]), state, capture=True)
-    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
-    slow_logits, _, slow = wrap(language_model)(mx.array([draft]), state, capture=True)
+    slow_logits, _, slow = wrap(language_model, record_mixers=False)(
+        mx.array([draft]), state, capture=True
+    )
     np.testing.assert_allclose(np.array(logits), np.array(slow_logits), **TOL)
     compared = 0
     for layer, one_pass, replayed in zip(after.layers, fast, slow, strict=True):
@@ -269,8 +269,7 @@ def test_mlx_vlm_mamba2_mixers_record_what_replay_gives(name, monkeypatch):
 
         patch.setattr(forward_module, "_replay", no_replay)
         _, after, fast = m(mx.array([draft]), state, capture=True)
-    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
-    _, _, slow = wrap(model)(mx.array([draft]), state, capture=True)
+    _, _, slow = wrap(model, record_mixers=False)(mx.array([draft]), state, capture=True)
     compared = 0
     pairs = zip(_recurrent_parts(after, fast), _recurrent_parts(after, slow), strict=True)
     for one_pass, replayed in pairs:

@@ -34,8 +34,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvstate import ModelState, StateError
 
-from .._hidden import hidden_states, output_projections, recording_hidden
 from .._wrap import wrap
+from ..instruments.hidden import hidden_states, output_projections, recording_hidden
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")
 _FED: ContextVar[mx.array | None] = ContextVar("kvstate_mtp_hidden", default=None)

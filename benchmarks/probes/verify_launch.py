@@ -31,7 +31,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from verify import BIG
 
-from kvstate.adapters import _buckets as buckets
+from kvstate.adapters.instruments import buckets
 from kvstate.adapters.kernels.verify_attention import verify_attention
 from kvstate.adapters.tiny_models import tiny_model
 

@@ -7,47 +7,64 @@ KV caches of a multi-token forward attend over their buffer up to the next multi
 `STEP` instead, with mlx-lm's own mask extended by False over the extra positions: the
 result is the same attention, and a length repeats for ~STEP / K rounds.
 
-The caches get a subclass for the length of one forward (instance surgery, like `_capture`),
+The caches get a subclass for the length of one forward (instance surgery: `swap`),
 and only when the model asks one of them for its mask: a model that builds its own mask gets
 the exact key length, as before. All dense caches of a forward share one `Bucket`, since a
 model computes one mask (from one cache) for all its attention layers.
 
-A verify of up to `_verify_attention.MAX_QUERIES` tokens over a `KVCache` whose mask is mlx-lm's plain causal
-one skips the buckets on CUDA: the model's attention is routed for that forward
-(`attention_routed`) to kvstate's verify kernel (`_verify_attention`), which reads the exact
+A verify of up to `kernels.verify_attention.MAX_QUERIES` tokens over a `KVCache` whose mask is
+mlx-lm's plain causal one skips the buckets on CUDA: the model's attention is routed for that
+forward (`routing.attention_routed`) to kvstate's verify kernel, which reads the exact
 key length with no per-length cost and launches one kernel per layer where cuDNN (or, in
 float32, unfused ops) costs the host more. Masks given as arrays (a tree, a window, left
 padding) keep the buckets.
+
+Whether a wrapped model buckets, and routes to the kernel, is its `Bucketing` (chosen when
+it is wrapped: `kvstate.adapters.wrap(model, buckets=..., verify_kernel=...)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from ._attention_routing import ROUTES, attention_routed
-from .kernels.verify_attention import attention_for_device, supported, takes
+from ..caches.walk import leaves
+from ..kernels.verify_attention import attention_for_device, supported, takes
+from .routing import ROUTES, attention_routed
+from .swap import swapped
 
 STEP = 256
-FORCE: bool | None = None  # tests set True to bucket on any device
-KERNEL: bool | None = None  # tests set True to route to the verify attention on any device
 
 
-def enabled(tokens: int) -> bool:
-    if tokens < 2:
-        return False
-    if FORCE is not None:
-        return FORCE
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+class Bucketing(NamedTuple):
+    """Where a wrapped model's multi-token forwards bucket their key length (`force`: always
+    or never; None: on a CUDA GPU, the default device at each forward), and whether a
+    bucketed forward routes its attention to the verify kernel (`kernel`; off CUDA the same
+    function is MLX's own attention, which is what the tests route through)."""
+
+    force: bool | None = None
+    kernel: bool = False
+
+    @classmethod
+    def resolved(cls, force: bool | None = None, kernel: bool | None = None) -> Bucketing:
+        """The choice for a model wrapped now: `kernel` None means where CUDA is available."""
+        return cls(force, mx.cuda.is_available() if kernel is None else kernel)
+
+    def enabled(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens buckets."""
+        if tokens < 2:
+            return False
+        if self.force is not None:
+            return self.force
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def _kernel_enabled() -> bool:
-    return KERNEL if KERNEL is not None else mx.cuda.is_available()
+AUTO = Bucketing.resolved()  # what a forward run without a wrapped model's choice uses
 
 
 class Bucket:
@@ -64,7 +81,7 @@ def _width(end: int) -> int:
     return -(-end // STEP) * STEP
 
 
-def _padded(mask: Any, width: int) -> mx.array:
+def padded_mask(mask: Any, width: int) -> mx.array:
     """mlx-lm's causal mask (..., N, end), extended by False to (..., N, width)."""
     extra = width - mask.shape[-1]
     if extra == 0:
@@ -120,7 +137,7 @@ class _BucketedKV(KVCache):
         end = self.offset + N
         self._kvstate_bucket.width = _width(end)
         mask = create_causal_mask(N, self.offset, window_size=window_size)
-        return _for_attention(_padded(mask, _width(end)), self, return_array)
+        return _for_attention(padded_mask(mask, _width(end)), self, return_array)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:  # what update_and_fetch returns
         width = self._kvstate_bucket.width
@@ -134,7 +151,7 @@ class _BucketedBatchKV(BatchKVCache):
         end = self._idx + N
         self._kvstate_bucket.width = _width(end)
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
-        return _for_attention(_padded(mask, _width(end)), self, return_array)
+        return _for_attention(padded_mask(mask, _width(end)), self, return_array)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         width = self._kvstate_bucket.width
@@ -143,7 +160,7 @@ class _BucketedBatchKV(BatchKVCache):
 
 def _verify_route(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                   sinks: Any) -> Any:  # fmt: skip
-    """The routed attention of a `_BucketedKV` (see `_attention_routing.ROUTES`): the verify
+    """The routed attention of a `_BucketedKV` (see `routing.ROUTES`): the verify
     kernel for a plain causal mask, else None (mlx-lm's function, bucketed mask and all)."""
     attend = cache._kvstate_bucket.kernel
     causal = isinstance(mask, str) and mask == "causal"
@@ -160,30 +177,20 @@ _BUCKETED = {KVCache: _BucketedKV, BatchKVCache: _BucketedBatchKV}
 @contextmanager
 def bucketing(caches: list[Any], model: Any = None) -> Iterator[None]:
     """Give the forward's dense caches their bucketing class, then take it back. With the
-    `model`, its attention is routed to the verify kernel meanwhile (where enabled: CUDA)."""
+    `model`, its attention is routed to the verify kernel meanwhile (a model with no
+    routable attention keeps the buckets)."""
     bucket = Bucket()
-    patched = []
+    dense = [c for c in leaves(caches) if type(c) in _BUCKETED]
     try:
-        for cache in _dense(caches):
-            patched.append((cache, type(cache)))
-            cache.__class__ = _BUCKETED[type(cache)]
-            cache._kvstate_bucket = bucket
-        if model is not None and _kernel_enabled():
-            with attention_routed(model) as routed:
-                # A model with no routable attention keeps the buckets.
-                bucket.kernel = attention_for_device() if routed else None
+        with swapped((c, _BUCKETED[type(c)]) for c in dense):
+            for cache in dense:
+                cache._kvstate_bucket = bucket
+            if model is None:
                 yield
-        else:
-            yield
+            else:
+                with attention_routed(model) as routed:
+                    bucket.kernel = attention_for_device() if routed else None
+                    yield
     finally:
-        for cache, cls in patched:
-            cache.__class__ = cls
+        for cache in dense:
             cache.__dict__.pop("_kvstate_bucket", None)
-
-
-def _dense(caches: list[Any]) -> Iterator[Any]:
-    for c in caches:
-        if isinstance(c, CacheList):
-            yield from _dense(list(c.caches))
-        elif type(c) in _BUCKETED:
-            yield c

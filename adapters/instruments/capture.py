@@ -24,7 +24,6 @@ to replaying the accepted prefix token by token through the whole model (see `_f
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -35,7 +34,8 @@ import mlx.nn as nn
 
 from kvstate import ConvWindow, StepStates
 
-from .caches.walk import arrays_caches
+from ..caches.walk import arrays_caches
+from .swap import reading, subclass, swapped, with_body
 
 
 class Mixer(NamedTuple):
@@ -112,7 +112,7 @@ def _recording_gated_delta(
     """mlx-lm's `gated_delta_update` (same gates), recording the state after every token."""
     from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
 
-    from .kernels.gated_delta import gated_delta_steps
+    from ..kernels.gated_delta import gated_delta_steps
 
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
@@ -148,7 +148,7 @@ def _recording_ssm(
     lengths: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """mlx-lm's `ssm_update`, recording the state after every token."""
-    from .kernels.ssm import ssm_steps
+    from ..kernels.ssm import ssm_steps
 
     if lengths is not None:  # a right-padded prompt: not a verify, leave no record
         from mlx_lm.models.ssm import ssm_update
@@ -194,21 +194,12 @@ def _recorded(states: mx.array) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-_RECORDING_CLASSES: dict[Any, type] = {}
-
-
-def _made_once(key: Any, make: Callable[[], type]) -> type:
-    if key not in _RECORDING_CLASSES:
-        _RECORDING_CLASSES[key] = make()
-    return _RECORDING_CLASSES[key]
-
-
 def _recording_conv(cls: type) -> type:
     """A subclass of convolution class `cls` that records its input while a record is open."""
-    return _made_once(cls, lambda: _make_recording_conv(cls))
+    return subclass("capture.conv", cls, _make_recording_conv)
 
 
-def _make_recording_conv(cls: type) -> type:
+def _make_recording_conv(cls: type, _: None) -> type:
 
     def __call__(self: nn.Module, x: mx.array) -> mx.array:
         record = _RECORD.get()
@@ -219,26 +210,21 @@ def _make_recording_conv(cls: type) -> type:
                 return out
         return cls.__call__(self, x)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return with_body(cls, {"__call__": __call__})
 
 
 def _recording_mixer(cls: type, spec: Mixer) -> type:
     """A subclass of mixer class `cls` whose call opens the record of its cache, and whose
     methods that call the recurrence are copies of mlx-lm's reading the recording one."""
-    return _made_once((cls, spec), lambda: _make_recording_mixer(cls, spec))
+    return subclass("capture.mixer", cls, _make_recording_mixer, spec)
 
 
 def _make_recording_mixer(cls: type, spec: Mixer) -> type:
-    body: dict[str, Any] = {"__module__": cls.__module__}
+    body: dict[str, Any] = {}
     recurrence = spec.recurrence
     if recurrence is not None:
-        for klass in cls.__mro__:
-            if klass is nn.Module:
-                break
-            for name, fn in vars(klass).items():
-                calls = isinstance(fn, types.FunctionType) and recurrence in fn.__code__.co_names
-                if calls and name not in body:
-                    body[name] = _reading(fn, recurrence, _RECURRENCES[recurrence])
+        recording_fn = _RECURRENCES[recurrence]
+        body |= reading(cls, recurrence, lambda _: recording_fn)
     call = body.get("__call__", cls.__call__)
     signature = inspect.signature(call)
 
@@ -254,16 +240,7 @@ def _make_recording_mixer(cls: type, spec: Mixer) -> type:
             _RECORD.reset(token)
 
     body["__call__"] = __call__
-    return type(cls.__name__, (cls,), body)
-
-
-def _reading(fn: types.FunctionType, name: str, value: Callable[..., Any]) -> types.FunctionType:
-    """A copy of `fn` whose global `name` is `value` (mlx-lm's module is left untouched)."""
-    scope = {**fn.__globals__, name: value}
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
-    return copy
+    return with_body(cls, body)
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,21 +264,21 @@ def recording(mixers: list[tuple[nn.Module, Mixer]], caches: list[Any]) -> Itera
     classes for the length of one forward. Yields the records, in state order."""
     recurrent = list(arrays_caches(caches))
     records = [Record() for _ in recurrent]
-    patched: list[tuple[nn.Module, type]] = []
     try:
         for cache, record in zip(recurrent, records, strict=True):
             setattr(cache, _RECORDS, record)
-        for mixer, mspec in mixers:
-            conv = getattr(mixer, mspec.conv)
-            patched += [(mixer, type(mixer)), (conv, type(conv))]
-            mixer.__class__ = _recording_mixer(type(mixer), mspec)
-            conv.__class__ = _recording_conv(type(conv))
-        yield records
+        with swapped(_recording_classes(mixers)):
+            yield records
     finally:
-        for module, cls in patched:
-            module.__class__ = cls
         for cache in recurrent:
             cache.__dict__.pop(_RECORDS, None)
+
+
+def _recording_classes(mixers: list[tuple[nn.Module, Mixer]]) -> Iterator[tuple[Any, type]]:
+    for mixer, spec in mixers:
+        conv = getattr(mixer, spec.conv)
+        yield mixer, _recording_mixer(type(mixer), spec)
+        yield conv, _recording_conv(type(conv))
 
 
 def step_checkpoints(record: Record, before: tuple[mx.array | None, ...], after: Any) -> Any:

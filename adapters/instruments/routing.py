@@ -17,21 +17,20 @@ decode steps keep mlx-lm's function with no lookup in between.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList
 
-from ._capture import _reading
-from .caches.quantized_cache import QuantizedStateCache
+from kvstate import NotSupportedError
+
+from ..caches.quantized_cache import QuantizedStateCache
+from ..caches.walk import leaves
+from .swap import reading, subclass, swapped, with_body
 
 NAME = "scaled_dot_product_attention"
 
 _ROUTED = "_kvstate_attention_routed"  # set on a routed model (an nn.Module is unhashable)
-_CLASSES: dict[type, type] = {}
 
 
 # (queries, keys, values, cache, scale, mask, sinks) -> output, or None for mlx-lm's function
@@ -42,14 +41,17 @@ ROUTES: dict[type, Route] = {}
 def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                sinks: Any) -> Any:  # fmt: skip
     if sinks is not None:
-        raise ValueError("kvstate's quantized attention does not support attention sinks")
+        raise NotSupportedError("kvstate's quantized attention does not support attention sinks")
     return cache.attend(queries, scale, mask)
 
 
 ROUTES[QuantizedStateCache] = _quantized
 
 
-def _routing(original: Callable[..., Any]) -> Callable[..., Any]:
+def routed_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx-lm's attention function `original`, routed: a cache whose class has a route in
+    `ROUTES` goes to it (when the route declines, with None, to `original`)."""
+
     def scaled_dot_product_attention(
         queries: Any, keys: Any, values: Any, *args: Any, **kw: Any
     ) -> Any:
@@ -72,23 +74,16 @@ def _routing(original: Callable[..., Any]) -> Callable[..., Any]:
 def _routed_class(cls: type) -> type | None:
     """A subclass of `cls` whose methods calling `NAME` read the routing function (None when
     no method of `cls` calls it)."""
-    if cls not in _CLASSES:
-        body: dict[str, Any] = {}
-        for klass in cls.__mro__:
-            if klass is nn.Module:
-                break
-            for name, fn in vars(klass).items():
-                calls = isinstance(fn, types.FunctionType) and NAME in fn.__code__.co_names
-                if calls and name not in body and NAME in fn.__globals__:
-                    body[name] = _reading(fn, NAME, _routing(fn.__globals__[NAME]))
-        routed = None
-        if body:
-            body["__module__"] = cls.__module__
-            body["__qualname__"] = cls.__qualname__
-            body["_kvstate_routed"] = True
-            routed = type(cls.__name__, (cls,), body)
-        _CLASSES[cls] = routed  # type: ignore[assignment]
-    return _CLASSES[cls]
+    return subclass("routing", cls, _make_routed)
+
+
+def _make_routed(cls: type, _: None) -> type | None:
+    body: dict[str, Any] = reading(
+        cls, NAME, lambda original: None if original is None else routed_function(original)
+    )
+    if not body:
+        return None
+    return with_body(cls, {**body, "__qualname__": cls.__qualname__, "_kvstate_routed": True})
 
 
 def route_attention(model: nn.Module) -> nn.Module:
@@ -111,41 +106,25 @@ def route_attention(model: nn.Module) -> nn.Module:
 _MODULES = "_kvstate_attention_modules"  # a model's routable modules, found once
 
 
-@contextmanager
-def attention_routed(model: nn.Module) -> Iterator[bool]:
-    """Route `model`'s attention modules for the length of the block (those routed for good
-    stay so); yields whether it has any."""
+def attention_routed(model: nn.Module) -> swapped:
+    """Route `model`'s attention modules for the length of a `with` block (those routed for
+    good stay so); the block gets whether it has any."""
     if not isinstance(model, nn.Module):  # mlx-vlm's language step: its own attention
-        yield False
-        return
+        return swapped((), False)
     modules = getattr(model, _MODULES, None)
     if modules is None:
         modules = [m for m in model.modules() if _routed_class(type(m)) is not None]
         object.__setattr__(model, _MODULES, modules)
-    swapped = []
-    # object's `__setattr__`: nn.Module's own is Python code, ~1 us a module, twice a verify.
-    setattr_ = object.__setattr__
-    try:
-        for module in modules:
-            cls = type(module)
-            routed = None if getattr(cls, "_kvstate_routed", False) else _routed_class(cls)
-            if routed is not None:
-                setattr_(module, "__class__", routed)
-                swapped.append((module, cls))
-        yield bool(modules)
-    finally:
-        for module, cls in swapped:
-            setattr_(module, "__class__", cls)
+    return swapped(((m, _unrouted(type(m))) for m in modules), bool(modules))
+
+
+def _unrouted(cls: type) -> type | None:
+    """The routed class for a module of class `cls`; None when it is routed already."""
+    return None if getattr(cls, "_kvstate_routed", False) else _routed_class(cls)
 
 
 def needs_routing(model: nn.Module, caches: list[Any]) -> bool:
     """Whether `caches` hold a QuantizedStateCache and `model` is not routed yet."""
-    return not getattr(model, _ROUTED, False) and any(_quantized_state_caches(caches))
-
-
-def _quantized_state_caches(caches: list[Any]) -> Any:
-    for c in caches:
-        if isinstance(c, CacheList):
-            yield from _quantized_state_caches(list(c.caches))
-        elif isinstance(c, QuantizedStateCache):
-            yield c
+    return not getattr(model, _ROUTED, False) and any(
+        isinstance(c, QuantizedStateCache) for c in leaves(caches)
+    )

@@ -4,7 +4,7 @@ projection, (B, K, D), what MTP-style draft heads start from.
 mlx-lm models end with `lm_head(h)` or, with tied embeddings, `embed_tokens.as_linear(h)`,
 h being the last layer's output after the final norm. Rather than knowing each model's
 attribute names, every candidate (a module named `lm_head`, a module with an `as_linear`
-method) gets a recording subclass for the length of one forward, as `_capture` does with
+method) gets a recording subclass for the length of one forward, as `capture` does with
 mixers, and gets its class back afterwards; exactly one distinct input must be recorded.
 Nothing is patched when hidden states are not asked for.
 """
@@ -19,7 +19,9 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvstate import StateError
+from kvstate import NotSupportedError
+
+from .swap import subclass, swapped, with_body
 
 
 class Projection(NamedTuple):
@@ -43,24 +45,23 @@ def output_projections(model: nn.Module) -> list[Projection]:
 
 
 _SINK: ContextVar[list[mx.array] | None] = ContextVar("kvstate_hidden_sink", default=None)
-_RECORDING_CLASSES: dict[tuple[type, str], type] = {}
 
 
 def _recording_class(cls: type, method: str) -> type:
     """A subclass of `cls` whose `method` records its first argument (made once per class)."""
-    key = (cls, method)
-    if key not in _RECORDING_CLASSES:
-        original: Callable[..., Any] = getattr(cls, method)
+    return subclass("hidden", cls, _make_recording_class, method)
 
-        def recording(self: nn.Module, x: mx.array, *args: Any, **kwargs: Any) -> Any:
-            sink = _SINK.get()
-            if sink is not None:
-                sink.append(x)
-            return original(self, x, *args, **kwargs)
 
-        body = {method: recording, "__module__": cls.__module__}
-        _RECORDING_CLASSES[key] = type(cls.__name__, (cls,), body)
-    return _RECORDING_CLASSES[key]
+def _make_recording_class(cls: type, method: str) -> type:
+    original: Callable[..., Any] = getattr(cls, method)
+
+    def recording(self: nn.Module, x: mx.array, *args: Any, **kwargs: Any) -> Any:
+        sink = _SINK.get()
+        if sink is not None:
+            sink.append(x)
+        return original(self, x, *args, **kwargs)
+
+    return with_body(cls, {method: recording})
 
 
 @contextmanager
@@ -68,16 +69,11 @@ def recording_hidden(projections: list[Projection]) -> Iterator[list[mx.array]]:
     """Give every candidate projection its recording class for one forward; yields the list
     its inputs are appended to (read it with `hidden_states`)."""
     sink: list[mx.array] = []
-    patched: list[tuple[nn.Module, type]] = []
     token = _SINK.set(sink)
     try:
-        for module, method in projections:
-            patched.append((module, type(module)))
-            module.__class__ = _recording_class(type(module), method)
-        yield sink
+        with swapped((p.module, _recording_class(type(p.module), p.method)) for p in projections):
+            yield sink
     finally:
-        for module, cls in reversed(patched):
-            module.__class__ = cls
         _SINK.reset(token)
 
 
@@ -88,20 +84,20 @@ def hidden_states(sink: list[mx.array], logits: mx.array, model: nn.Module) -> m
     distinct = list({id(x): x for x in sink}.values())
     name = type(model).__name__
     if not distinct:
-        raise StateError(
+        raise NotSupportedError(
             f"hidden=True: no output projection of this {name} ran (kvstate looks for a "
             "module named `lm_head` and for an embedding's `as_linear`); this model's hidden "
             "states cannot be returned"
         )
     if len(distinct) > 1:
-        raise StateError(
+        raise NotSupportedError(
             f"hidden=True: {len(distinct)} different inputs reached this {name}'s candidate "
             "output projections (`lm_head` / `as_linear`) in one forward; which one feeds the "
             "logits is ambiguous"
         )
     (hidden,) = distinct
     if hidden.ndim != logits.ndim or hidden.shape[:-1] != logits.shape[:-1]:
-        raise StateError(
+        raise NotSupportedError(
             f"hidden=True: the output projection of this {name} took shape "
             f"{tuple(hidden.shape)}, which does not line up with the logits' "
             f"{tuple(logits.shape)}"
