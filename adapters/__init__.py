@@ -4,11 +4,12 @@ mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` 
 `from_mlx_lm` hand mlx-vlm objects to it; importing this package never imports mlx_vlm).
 """
 
-from ._options import wrap_options
-from ._wrap import WrappedModel, wrap
 from .caches import from_mlx_lm, to_mlx_lm
 from .instruments.routing import route_attention
 from .models.mtp_head import MTPHead
+from .wrapped.model import WrappedModel
+from .wrapped.options import wrap_options
+from .wrapped.wrap import wrap
 
 __all__ = [
     "MTPHead",

@@ -11,9 +11,9 @@ from typing import Any
 
 from kvstate import ModelState
 
-from ._vlm_wrap import VLMWrappedModel
 from .caches.convert import from_mlx_lm
 from .caches.vlm import to_vlm_cache
+from .wrapped.vlm import VLMWrappedModel
 
 
 def from_mlx_vlm(caches: Any) -> Any:

@@ -9,9 +9,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _forward as forward_module
 from kvstate.adapters import wrap, wrap_options
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
+from kvstate.adapters.wrapped import forward as forward_module
 from kvstate.testing import assert_states_allclose, assert_states_equal, frozen_copy
 from tests.helpers import (
     assert_teacher_forced_logits_match,
@@ -161,7 +161,7 @@ def test_known_mixers_need_no_replay_and_get_their_classes_back(model, monkeypat
     def no_replay(*args, **kwargs):
         raise AssertionError("the capturing forward replayed the model")
 
-    monkeypatch.setattr(forward_module, "_replay", no_replay)
+    monkeypatch.setattr(forward_module, "replay_checkpoints", no_replay)
     _, _, checkpoints = m(mx.array([DRAFT]), state, capture=True)
     assert any(c is not None for c in checkpoints)
     assert [type(mod) for mod in model.modules()] == classes

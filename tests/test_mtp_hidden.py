@@ -85,7 +85,7 @@ def test_modules_get_their_classes_back_and_the_default_path_records_nothing(mon
     def refuse(*args, **kwargs):
         raise AssertionError("recording hidden states that were not asked for")
 
-    monkeypatch.setattr("kvstate.adapters._forward.recording_hidden", refuse)
+    monkeypatch.setattr("kvstate.adapters.wrapped.forward.recording_hidden", refuse)
     _, state = m(mx.array([PROMPT]), m.init_state())
     m(mx.array([[1, 2]]), state, capture=True)
 

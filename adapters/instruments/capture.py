@@ -18,7 +18,7 @@ recording function under the recurrence's name), and get their classes back afte
 The projections, norms and masks are mlx-lm's code, run once over K tokens.
 
 Any other recurrent layer (or a right-padded prompt's `lengths`) makes the forward fall back
-to replaying the accepted prefix token by token through the whole model (see `_forward`).
+to replaying the accepted prefix token by token through the whole model (see `wrapped.forward`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Record:
         self.mixer: Mixer | None = None
         self.conv_input: mx.array | None = None
         self.states: mx.array | None = None
-        self.tree: Any = None  # a `_tree_forward.Tree`: the tokens follow parent pointers
+        self.tree: Any = None  # a `tree.Tree`: the tokens follow parent pointers
         self.conv_states: mx.array | None = None  # a tree forward's conv windows
 
     def complete(self) -> bool:

@@ -6,7 +6,7 @@ with `bits` to its own quantized attention (one bits for keys and values, no rot
 A routed attention module gets a subclass whose methods are copies of mlx-lm's own, reading
 under that name a function that looks the cache's class up in `ROUTES`: a
 `QuantizedStateCache` goes to `cache.attend` (kvstate's `quantized_attention`), the caches of
-a CUDA verify forward to the verify kernel (`_buckets`), every other cache to mlx-lm's
+a CUDA verify forward to the verify kernel (`buckets`), every other cache to mlx-lm's
 function, unchanged. mlx-lm's classes and modules are left untouched, and other instances of
 the same classes are not affected.
 

@@ -6,7 +6,7 @@ and either one costs the host more per layer than the one kernel a decode step l
 speculative round on a host-bound GPU pays that in every attention layer. This kernel does
 the whole attention of a verify in one launch per layer, reading the cache's buffers in place
 (any strides: the keys may be a slice of a longer buffer) at their exact length, so no key
-length is ever new to it (cuDNN builds a graph per length: see `_buckets`).
+length is ever new to it (cuDNN builds a graph per length: see `instruments.buckets`).
 
 One thread block per (row, query head, query token); its warps take keys in turn, each with
 an online softmax over its keys, then the block combines the warps. Query token t of T sees

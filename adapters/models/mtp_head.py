@@ -32,10 +32,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate import ModelState, StateError
+from kvstate import ModelState, NotSupportedError, StateError
 
-from .._wrap import wrap
 from ..instruments.hidden import hidden_states, output_projections, recording_hidden
+from ..wrapped.wrap import wrap
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")
 _FED: ContextVar[mx.array | None] = ContextVar("kvstate_mtp_hidden", default=None)
@@ -87,7 +87,7 @@ class MTPHead(nn.Module):
         super().__init__()
         args = getattr(target_model, "args", None)
         if not dataclasses.is_dataclass(args) or not hasattr(args, "num_hidden_layers"):
-            raise StateError(
+            raise NotSupportedError(
                 f"MTPHead: {type(target_model).__name__} has no mlx-lm `args` dataclass with "
                 "num_hidden_layers; build the head's block yourself (any module with the "
                 "DraftHead call) instead"
@@ -165,7 +165,7 @@ def _smallest_model(target: nn.Module, args: Any, layers: int | None) -> nn.Modu
         except (IndexError, KeyError, ValueError, TypeError) as error:
             failure = error
     counts = str(layers) if layers is not None else f"1 to {args.num_hidden_layers}"
-    raise StateError(
+    raise NotSupportedError(
         f"MTPHead: no model of {type(target).__name__}'s architecture with {counts} layers "
         f"runs ({failure!r}); build a head yourself (any module with the DraftHead call)"
     )
@@ -179,7 +179,7 @@ def _share_outer_modules(inner: nn.Module, target: nn.Module) -> None:
         if _LAYER.search(name) or _has_submodules(module):
             continue
         if name not in targets:
-            raise StateError(f"MTPHead: the target has no module `{name}` to share")
+            raise NotSupportedError(f"MTPHead: the target has no module `{name}` to share")
         _set_path(inner, name, targets[name])
 
 
@@ -195,7 +195,7 @@ def _fuse_embedding(inner: nn.Module, args: Any) -> str:
         if not _LAYER.search(name) and callable(getattr(type(m), "as_linear", None))
     ]
     if len(found) != 1:
-        raise StateError(
+        raise NotSupportedError(
             f"MTPHead: expected one embedding (a module with `as_linear`) outside the layers; "
             f"found {[name for name, _ in found]}"
         )

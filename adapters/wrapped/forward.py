@@ -4,8 +4,9 @@ state -> fresh mlx-lm cache objects (O(1)) -> the model -> a new state, each lay
 with the tokens it appended (`from_cache(cache, width)`, and `record_forward` for kinds that
 have their own). Options: `lengths` for a right-padded prompt batch (mlx-lm's prepare /
 finalize around the call), `capture` for a verify forward that also returns recurrent
-checkpoints (see `_capture`), `projections` for the final hidden states (see `_hidden`),
-`caches` for cache objects that already hold the state (see `_kept`).
+checkpoints (see `instruments.capture`), `projections` for the final hidden states (see
+`instruments.hidden`), `caches` for cache objects that already hold the state (see
+`kept_caches`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import mlx.nn as nn
 from kvstate import ModelState, RecurrentState
 from kvstate.kinds import Composite, record_forward
 
-from .caches.registry import CONVERTERS, converter_of, to_cache
-from .caches.walk import arrays_caches
-from .instruments.buckets import AUTO, Bucketing, bucketing
-from .instruments.capture import Mixer, Record, recording, step_checkpoints
-from .instruments.hidden import Projection, hidden_states, recording_hidden
-from .instruments.routing import needs_routing, route_attention
+from ..caches.registry import CONVERTERS, converter_of, to_cache
+from ..caches.walk import arrays_caches
+from ..instruments.buckets import AUTO, Bucketing, bucketing
+from ..instruments.capture import Mixer, Record, recording, step_checkpoints
+from ..instruments.hidden import Projection, hidden_states, recording_hidden
+from ..instruments.routing import needs_routing, route_attention
 
 
 class Forward(NamedTuple):
@@ -51,10 +52,10 @@ def run(
 ) -> Forward:
     """Run `tokens` (B, K) through `model` from `state` (both already checked).
 
-    With `capture`, `mixers` are the model's known mixer instances (`_capture.known_mixers`).
+    With `capture`, `mixers` are the model's known mixer instances (`instruments.capture.known_mixers`).
     `model(tokens, cache=caches)` returns the logits; `convert` makes its cache objects
-    (mlx-lm's by default; `_vlm_wrap` passes mlx-vlm's). With `projections` (the model's
-    `_hidden.output_projections`), also the input of its output projection. `caches`: cache
+    (mlx-lm's by default; the mlx-vlm model passes mlx-vlm's). With `projections` (the model's
+    `instruments.hidden.output_projections`), also the input of its output projection. `caches`: cache
     objects that already hold exactly `state` (those a previous plain forward returned), used
     instead of converting it. `policy`: where the key length is bucketed (see `buckets`).
     """
@@ -85,11 +86,11 @@ def run(
         return Forward(logits, new, None, hidden, caches)
     if records is not None and all(r.complete() for r in records):
         made = iter(records)
-        checkpoints = _per_recurrent(
+        checkpoints = per_recurrent(
             state, new, lambda b, a: step_checkpoints(next(made), b.arrays, a)
         )
         return Forward(logits, new, checkpoints, hidden)
-    return Forward(logits, new, _replay(model, tokens, state, new, convert), hidden)
+    return Forward(logits, new, replay_checkpoints(model, tokens, state, new, convert), hidden)
 
 
 def open_caches(
@@ -110,14 +111,14 @@ def read_back(caches: list[Any], befores: Sequence[Any], width: int) -> ModelSta
     layers = []
     for c, before in zip(caches, befores, strict=True):
         layer = (CONVERTERS.get(c.__class__) or converter_of(c))(c, width)
-        layers.append(record_forward(layer, before, width) if _own_stamp(layer) else layer)
+        layers.append(record_forward(layer, before, width) if own_stamp(layer) else layer)
     return ModelState(tuple(layers))
 
 
 _STAMPS: dict[type, bool] = {}
 
 
-def _own_stamp(layer: Any) -> bool:
+def own_stamp(layer: Any) -> bool:
     """Whether `layer`'s kind has its own `record_forward` (windows keep what a multi-token
     forward evicted); for the others `from_cache(cache, width)` already stamped it."""
     cls = type(layer)
@@ -127,7 +128,7 @@ def _own_stamp(layer: Any) -> bool:
     return own
 
 
-def _replay(
+def replay_checkpoints(
     model: nn.Module,
     tokens: mx.array,
     state: ModelState,
@@ -151,24 +152,24 @@ def _replay(
         i = next(position)
         return _stacked([s[i] for s in steps], after)
 
-    return _per_recurrent(state, final, stacked)
+    return per_recurrent(state, final, stacked)
 
 
 def _recurrent_arrays(state: ModelState) -> list[tuple[mx.array | None, ...]]:
     """The arrays of every RecurrentState of `state`, in state order."""
     found: list[tuple[mx.array | None, ...]] = []
-    _per_recurrent(state, state, lambda b, a: found.append(a.arrays))
+    per_recurrent(state, state, lambda b, a: found.append(a.arrays))
     return found
 
 
-def _per_recurrent(
+def per_recurrent(
     before: Any, after: Any, fn: Callable[[RecurrentState, RecurrentState], Any]
 ) -> Any:
     """`fn(before, after)` at every RecurrentState, in the checkpoints' structure (a tuple per
     composite, None at every other part)."""
     if isinstance(after, Composite):
         pairs = zip(before.parts, after.parts, strict=True)
-        return tuple(_per_recurrent(b, a, fn) for b, a in pairs)
+        return tuple(per_recurrent(b, a, fn) for b, a in pairs)
     if isinstance(after, RecurrentState):
         return fn(before, after)
     return None

@@ -12,24 +12,47 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from kvstate import ModelState, ShapeError, TokenError
+from kvstate.distributed import Placement
 from kvstate.kinds import as_int
 
-from ._forward import _own_stamp, open_caches, read_back
-from .instruments.buckets import bucketing
-
-if TYPE_CHECKING:
-    from ._wrap import WrappedModel
+from ..instruments.buckets import Bucketing, bucketing
+from .forward import open_caches, own_stamp, read_back
+from .kept_caches import KeptCaches
+from .tokens import ID_DTYPES, guarded, nan_where
 
 Pick = Callable[[mx.array], mx.array]
 
 
+class Chained(Protocol):
+    """What a chain needs of the wrapped model it runs (`WrappedModel` is one)."""
+
+    model: nn.Module
+    placement: Placement | None
+    bucketing: Bucketing
+    kept: KeptCaches
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def __call__(self, tokens: Any, state: ModelState) -> Any: ...
+
+    def check_fits(self, state: Any) -> None: ...
+
+    def checked_tokens(
+        self, tokens: Any, state: ModelState
+    ) -> tuple[mx.array, mx.array | None]: ...
+
+    def adopt(self, state: ModelState, *outputs: mx.array) -> ModelState: ...
+
+
 def chain(
-    m: WrappedModel, tokens: Any, state: ModelState, steps: int, pick: Pick
+    m: Chained, tokens: Any, state: ModelState, steps: int, pick: Pick
 ) -> tuple[mx.array, mx.array, ModelState]:
     """Run `tokens` (B, T) from `state`, then `steps - 1` one-token forwards, each fed
     `pick(last-position logits (B, vocab) of the previous forward)`; pick once more after
@@ -47,19 +70,15 @@ def chain(
     over its last one (`m.chain(t, self.take(), ...)`) lets MLX write the steps into the
     buffers in place instead of copying them (when they are evaluated during the chain).
     """
-    from ._wrap import _guarded, _nan_where  # _wrap imports this module
-
-    n = as_int(steps, "chain: steps", ShapeError)
-    if n < 1:
-        raise ShapeError(f"chain: steps must be an int >= 1; got {steps!r}")
-    if m.placement is not None or type(m.model).__module__.startswith("mlx_vlm."):
-        # A split model's forwards are evaluated one by one (their collectives in order),
-        # an mlx-vlm model runs through its own wrap: the calls themselves are exact.
+    n = _steps(steps)
+    if m.placement is not None:
+        # A split model's forwards are evaluated one by one (their collectives in order):
+        # the calls themselves are exact.
         return _by_calls(m, tokens, state, n, pick)
-    m._check_fits(state)
-    ids, bad = m._tokens(tokens, state)
+    m.check_fits(state)
+    ids, bad = m.checked_tokens(tokens, state)
     rows, width = ids.shape
-    caches = m._kept.take(state)
+    caches = m.kept.take(state)
     if caches is None:
         caches = open_caches(m.model, state)
     # Only kinds with their own `record_forward` read the layers before the forward: holding
@@ -67,7 +86,7 @@ def chain(
     # After one-token forwards these are the layers before the chain, not before its last
     # forward: mlx-lm's kinds that have one (windows, cache lists) record nothing of it for
     # a one-token forward but its structure (mlx-vlm's pooled caches do: they go by calls).
-    befores = [layer if _own_stamp(layer) else None for layer in state.layers]
+    befores = [layer if own_stamp(layer) else None for layer in state.layers]
     del state
     policy = m.bucketing
     kernel_model = m.model if policy.kernel else None
@@ -81,15 +100,15 @@ def chain(
         y = _column(pick(last), rows)
         picks.append(y)
         if step + 1 < n:
-            fed, bad_pick = _guarded(y, vocab)  # the pick is the caller's: never unchecked
+            fed, bad_pick = guarded(y, vocab)  # the pick is the caller's: never unchecked
             outside.append(bad_pick)
             logits = m.model(fed, cache=caches)
-    new = m._ours(read_back(caches, befores, width if n == 1 else 1))
-    m._kept.keep(new, caches)
+    new = m.adopt(read_back(caches, befores, width if n == 1 else 1))
+    m.kept.keep(new, caches)
     stacked = mx.stack(lasts, axis=1)
     if bad is not None or outside:  # one where for the chain: (B, n) ids each forward was fed
         first = mx.zeros((rows, 1), mx.bool_) if bad is None else bad[:, -1:]
-        stacked = _nan_where(mx.concatenate([first, *outside], axis=1), stacked)
+        stacked = nan_where(mx.concatenate([first, *outside], axis=1), stacked)
     return stacked, _joined(picks), new
 
 
@@ -107,16 +126,27 @@ def _column(y: Any, rows: int) -> mx.array:
     )
 
 
-# The integer dtypes taken as token ids without conversion (here and in `WrappedModel`).
-ID_DTYPES = frozenset({mx.int32, mx.int64, mx.uint32, mx.int16, mx.uint16, mx.int8, mx.uint8})
-
-
 def _joined(picks: list[mx.array]) -> mx.array:
     return picks[0] if len(picks) == 1 else mx.concatenate(picks, axis=1)
 
 
+def chain_by_calls(
+    m: Chained, tokens: Any, state: ModelState, steps: int, pick: Pick
+) -> tuple[mx.array, mx.array, ModelState]:
+    """`chain` as the sequence of wrapped calls it stands for (what an mlx-vlm model's chain
+    is: its forwards go through its own `__call__`)."""
+    return _by_calls(m, tokens, state, _steps(steps), pick)
+
+
+def _steps(steps: Any) -> int:
+    n = as_int(steps, "chain: steps", ShapeError)
+    if n < 1:
+        raise ShapeError(f"chain: steps must be an int >= 1; got {steps!r}")
+    return n
+
+
 def _by_calls(
-    m: WrappedModel, tokens: Any, state: ModelState, n: int, pick: Pick
+    m: Chained, tokens: Any, state: ModelState, n: int, pick: Pick
 ) -> tuple[mx.array, mx.array, ModelState]:
     """The chain as the sequence of wrapped calls it stands for."""
     logits, state = m(tokens, state)

@@ -14,11 +14,11 @@ import mlx.nn as nn
 from kvstate import ModelState
 from kvstate.kinds import record_forward
 
-from ._forward import _per_recurrent
-from .caches.registry import from_cache, to_cache
-from .instruments.buckets import AUTO, Bucketing, bucketing
-from .instruments.capture import Mixer, recording
-from .instruments.tree import Tree, attention_caches, check_followed, following, tree_checkpoints
+from ..caches.registry import from_cache, to_cache
+from ..instruments.buckets import AUTO, Bucketing, bucketing
+from ..instruments.capture import Mixer, recording
+from ..instruments.tree import Tree, attention_caches, check_followed, following, tree_checkpoints
+from .forward import per_recurrent
 
 
 def tree_run(
@@ -49,5 +49,5 @@ def tree_run(
     pairs = zip(caches, state.layers, strict=True)
     new = ModelState(tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs))
     made = iter(records)
-    checkpoints = _per_recurrent(state, new, lambda b, a: tree_checkpoints(next(made), b, a))
+    checkpoints = per_recurrent(state, new, lambda b, a: tree_checkpoints(next(made), b, a))
     return logits, new, checkpoints

@@ -23,15 +23,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.cache import make_prompt_cache
 
-from kvstate import ModelState, ShapeError, StateError, tree_flatten
-from kvstate.kinds import as_int
+from kvstate import ModelState, NotSupportedError, ShapeError, StateError, tree_flatten
 
-from ._forward import run
-from ._wrap import WrappedModel, _check_lengths, _poisoned
-from .caches.convert import from_mlx_lm
-from .caches.registry import from_cache
-from .caches.vlm import to_vlm_cache
-from .caches.walk import arrays_caches
+from ..caches.vlm import to_vlm_cache
+from ..caches.walk import arrays_caches
+from .chain import chain_by_calls
+from .forward import run
+from .model import WrappedModel
+from .tokens import poisoned
 
 
 class _Unset:
@@ -43,7 +42,7 @@ UNSET: Any = _Unset()  # `pixel_values=None` is a text-only prompt through the e
 
 
 class LanguageStep:
-    """`model.language_model` as `_forward.run` calls a model: `(tokens, cache=) -> logits`,
+    """`model.language_model` as `forward.run` calls a model: `(tokens, cache=) -> logits`,
     with the extra keyword inputs of one forward."""
 
     def __init__(self, language_model: nn.Module, inputs: dict[str, Any]) -> None:
@@ -63,14 +62,14 @@ def logits_of(out: Any) -> mx.array:
         return out
     for carried in ("cross_attention_states", "encoder_outputs"):
         if getattr(out, carried, None) is not None:
-            raise StateError(
+            raise NotSupportedError(
                 f"this mlx-vlm model returns {carried}, which its generate loop feeds to every "
                 "later step outside the cache; kvstate states cannot hold it, so the model "
                 "cannot be wrapped"
             )
     logits = getattr(out, "logits", None)
     if not isinstance(logits, mx.array):
-        raise StateError(
+        raise NotSupportedError(
             f"the language model returned a {type(out).__name__} without .logits; expected "
             "an mx.array or mlx-vlm's LanguageModelOutput"
         )
@@ -88,7 +87,8 @@ class VLMWrappedModel(WrappedModel):
     A conversation's first forward always goes through the model's `get_input_embeddings`
     (as in mlx-vlm's `generate_step`), later ones are plain token steps. Everything else
     (checks, `lengths=`, `capture=`) is `WrappedModel`'s; `hidden=True` and `tree_forward`
-    are not available for mlx-vlm models yet.
+    are not available for mlx-vlm models yet, and `chain` is the sequence of calls it stands
+    for.
     """
 
     def __init__(
@@ -104,30 +104,21 @@ class VLMWrappedModel(WrappedModel):
         )
         self.language_model = cast(nn.Module, getattr(model, "language_model", model))
 
-    def _caches(self) -> list[Any]:
+    def _new_caches(self) -> list[Any]:
         return make_prompt_cache(self.language_model)
 
-    def init_state(self, batch_size: int = 1) -> ModelState:
-        """An empty state for `batch_size` rows from the language model's own cache
-        factory (rows batched through mlx-vlm's cache classes' own `merge`)."""
-        rows = as_int(batch_size, "init_state: batch_size", ShapeError)
-        if rows < 1:
-            raise ShapeError(f"init_state: batch_size must be an int >= 1; got {batch_size!r}")
-        if rows == 1:
-            return self._ours(from_mlx_lm(self._caches()))
-        columns = zip(*(self._caches() for _ in range(rows)), strict=True)
-        return self._ours(from_mlx_lm([type(c[0]).merge(list(c)) for c in columns]))
+    def _merged(self, rows: list[list[Any]]) -> list[Any]:
+        # Rows batched through mlx-vlm's cache classes' own `merge`.
+        return [type(c[0]).merge(list(c)) for c in zip(*rows, strict=True)]
 
-    def _probe(self) -> tuple[dict[str, Any], ...]:
-        if self._layers is None:
-            from kvstate.kinds import fit_config_of
+    def _probe_forward(self) -> tuple[mx.array, list[Any]]:
+        caches = self._new_caches()
+        with _module_state_kept(self.language_model):
+            logits = LanguageStep(self.language_model, {})(mx.array([[0]]), caches)
+        return logits, caches
 
-            caches = self._caches()
-            with _module_state_kept(self.language_model):
-                logits = LanguageStep(self.language_model, {})(mx.array([[0]]), caches)
-            self._layers = tuple(fit_config_of(from_cache(c)) for c in caches)
-            self._vocab = _vocab_size(self.model, self.language_model, int(logits.shape[-1]))
-        return self._layers
+    def _vocab_of(self, logits: mx.array) -> int:
+        return _vocab_size(self.model, self.language_model, int(logits.shape[-1]))
 
     def __call__(
         self,
@@ -151,20 +142,15 @@ class VLMWrappedModel(WrappedModel):
         replaces the token embeddings directly (the tokens still go along, as in mlx-vlm).
         """
         if hidden:
-            raise StateError("hidden=True is not available for mlx-vlm models yet")
-        self._check_fits(state)
-        ids, bad = self._tokens(tokens, state)
-        if lengths is not None:
-            _check_lengths(lengths, ids.shape, capture)
+            raise NotSupportedError("hidden=True is not available for mlx-vlm models yet")
+        ids, bad = self._checked(tokens, state, lengths, capture)
         inputs = self._inputs(ids, state, pixel_values, mask, inputs_embeds, model_inputs)
         if capture and inputs:
-            raise StateError(
+            raise NotSupportedError(
                 "capture=True with a prompt's extra inputs (pixel_values, mask, "
                 "inputs_embeds...): run the prompt first, then verify plain tokens with "
                 "capture=True"
             )
-        if capture and self._mixers is None:
-            self._mixers = self._known_mixers()
         step = LanguageStep(self.language_model, inputs)
         out = run(
             step,  # type: ignore[arg-type]
@@ -176,12 +162,16 @@ class VLMWrappedModel(WrappedModel):
             convert=to_vlm_cache if lengths is None else padded_prompt_cache,
             policy=self.bucketing,
         )
-        logits, new = _poisoned(out.logits, bad), self._ours(out.state)
+        logits, new = poisoned(out.logits, bad), self.adopt(out.state)
         return (logits, new, out.checkpoints) if capture else (logits, new)
 
     def tree_forward(self, tokens: Any, state: ModelState, parents: Sequence[int]) -> Any:
         """Not available for mlx-vlm models yet (the tree forward runs mlx-lm's caches)."""
-        raise StateError("tree_forward is not available for mlx-vlm models yet")
+        raise NotSupportedError("tree_forward is not available for mlx-vlm models yet")
+
+    # The forwards of an mlx-vlm model go through its `__call__` (its own caches, its
+    # language model): its chain is that sequence of calls.
+    chain = chain_by_calls
 
     def _inputs(
         self,

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
-from .instruments.buckets import Bucketing
+from ..instruments.buckets import Bucketing
 
 
 class WrapOptions(NamedTuple):

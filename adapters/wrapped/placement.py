@@ -20,7 +20,7 @@ from mlx.nn.layers.distributed import (
     ShardedToAllLinear,
 )
 
-from kvstate import StateError
+from kvstate import NotSupportedError
 from kvstate.distributed import Placement
 
 _SHARDED = (
@@ -45,7 +45,7 @@ def model_placement(model: nn.Module) -> tuple[Placement | None, Any]:
     if tensor_group is not None and tensor_group.size() == 1:
         tensor_group = None
     if tensor_group is not None and pipeline is not None:
-        raise StateError(
+        raise NotSupportedError(
             "wrap: this model is both tensor-sharded and pipelined; kvstate supports one of "
             "the two per model (shard(group) or pipeline(group))"
         )
