@@ -64,6 +64,9 @@ class NullModel:
             c.update_and_fetch(self.kv, self.kv)
         return self.logits
 
+    def named_modules(self) -> list[tuple[str, Any]]:
+        return []  # wrap reads a split model's placement off its modules: none here
+
 
 def worker() -> dict[str, float]:
     import mlx.core as mx

@@ -65,10 +65,6 @@ def is_mlx_vlm(obj: Any) -> bool:
 FromCache = Callable[[Any, int], Any]
 CONVERTERS: dict[type, FromCache] = {}  # cache class -> (cache, appended) -> layer state
 
-# Cache classes known to have no exact state, with the reason (filled by the converters
-# that know them); the refusal says it next to the supported list.
-REFUSED: dict[type, str] = {}
-
 
 def register_from(*cache_classes: type) -> Callable[[FromCache], FromCache]:
     """Register the decorated function as the cache -> state converter of `cache_classes`."""
@@ -98,11 +94,9 @@ def converter_of(cache: Any) -> FromCache:
     if convert is None and any(load(cache) for load in _LOADERS):
         convert = CONVERTERS.get(type(cache))
     if convert is None:
-        reason = REFUSED.get(type(cache))
-        because = f" ({reason})" if reason else ""
         raise NotSupportedError(
             f"from_mlx_lm: no state for cache class {type(cache).__module__}."
-            f"{type(cache).__qualname__}{because}; supported: {supported()}"
+            f"{type(cache).__qualname__}; supported: {supported()}"
         )
     return convert
 
