@@ -7,7 +7,6 @@ registers its classes with `register_list` / `register_recurrent` when its conve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, CacheList
@@ -30,17 +29,27 @@ def register_recurrent(cls: type) -> None:
         _RECURRENT = (*_RECURRENT, cls)
 
 
-def leaves(caches: Any) -> Iterator[Any]:
+def leaves(caches: Any) -> list[Any]:
     """Every cache of `caches` (a model's list of caches, or one cache), in state order, the
-    parts of a cache list in its place."""
-    for c in caches if isinstance(caches, list) else [caches]:
-        if isinstance(c, _LISTS):
-            yield from leaves(list(c.caches))
+    parts of a cache list in its place. Without cache lists that is `caches` itself (a list
+    to read, not to change: every forward walks its caches several times)."""
+    every = caches if isinstance(caches, list) else [caches]
+    lists = _LISTS
+    for c in every:
+        if isinstance(c, lists):
+            break
+    else:
+        return every
+    found: list[Any] = []
+    for c in every:
+        if isinstance(c, lists):
+            found += leaves(list(c.caches))
         else:
-            yield c
+            found.append(c)
+    return found
 
 
-def arrays_caches(caches: Any) -> Iterator[Any]:
+def arrays_caches(caches: Any) -> list[Any]:
     """Every recurrent cache (ArraysCache) of `caches`, in state order."""
     recurrent = _RECURRENT
-    return (c for c in leaves(caches) if isinstance(c, recurrent))
+    return [c for c in leaves(caches) if isinstance(c, recurrent)]

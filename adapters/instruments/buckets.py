@@ -182,7 +182,7 @@ def bucketing(caches: list[Any], model: Any = None) -> Iterator[None]:
     bucket = Bucket()
     dense = [c for c in leaves(caches) if type(c) in _BUCKETED]
     try:
-        with swapped((c, _BUCKETED[type(c)]) for c in dense):
+        with swapped([(c, _BUCKETED[type(c)]) for c in dense]):
             for cache in dense:
                 cache._kvstate_bucket = bucket
             if model is None:

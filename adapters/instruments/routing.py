@@ -115,16 +115,19 @@ def attention_routed(model: nn.Module) -> swapped:
     if modules is None:
         modules = [m for m in model.modules() if _routed_class(type(m)) is not None]
         object.__setattr__(model, _MODULES, modules)
-    return swapped(((m, _unrouted(type(m))) for m in modules), bool(modules))
-
-
-def _unrouted(cls: type) -> type | None:
-    """The routed class for a module of class `cls`; None when it is routed already."""
-    return None if getattr(cls, "_kvstate_routed", False) else _routed_class(cls)
+    pairs = []
+    for module in modules:  # a plain loop: this runs on every verify, for every layer
+        cls = type(module)
+        if not getattr(cls, "_kvstate_routed", False):  # not routed for good already
+            pairs.append((module, subclass("routing", cls, _make_routed)))
+    return swapped(pairs, bool(modules))
 
 
 def needs_routing(model: nn.Module, caches: list[Any]) -> bool:
     """Whether `caches` hold a QuantizedStateCache and `model` is not routed yet."""
-    return not getattr(model, _ROUTED, False) and any(
-        isinstance(c, QuantizedStateCache) for c in leaves(caches)
-    )
+    if getattr(model, _ROUTED, False):
+        return False
+    for c in leaves(caches):  # noqa: SIM110  (a loop, not any(): this runs every verify)
+        if isinstance(c, QuantizedStateCache):
+            return True
+    return False

@@ -269,12 +269,11 @@ def _tree_masked(cls: Any, _: None) -> type:
     tree forward runs."""
 
     def make_mask(
-        self: Any, n: int, *args: Any, window_size: int | None = None, **kwargs: Any
+        cache: Any, n: int, *args: Any, window_size: int | None = None, **kwargs: Any
     ) -> Any:
         tree = _TREE.get()
         if tree is None:
-            return cls.make_mask(self, n, *args, window_size=window_size, **kwargs)
-        cache = self
+            return cls.make_mask(cache, n, *args, window_size=window_size, **kwargs)
         if n != tree.size:
             raise NotSupportedError(
                 f"tree forward: a mask for {n} tokens, the tree has {tree.size}"
