@@ -166,3 +166,14 @@ def test_mlx_vlm_is_imported_at_module_level_only_in_its_rooms():
             if any(n.split(".")[0] == "mlx_vlm" for n in names) and not room:
                 found.append(f"{m}:{node.lineno}")
     assert not found, f"mlx_vlm imported on import outside its rooms: {found}"
+
+
+def test_every_package_of_adapters_is_installed():
+    """pyproject lists packages by hand (adapters/ installs as kvstate.adapters through
+    package-dir): a folder missing there would be left out of a wheel."""
+    import tomllib
+
+    config = tomllib.loads((ADAPTERS.parent / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    packages = {module_name(p) for p in ADAPTERS.rglob("__init__.py")}
+    assert packages <= listed, f"not in pyproject's packages: {sorted(packages - listed)}"
