@@ -64,6 +64,9 @@ class NullModel:
             c.update_and_fetch(self.kv, self.kv)
         return self.logits
 
+    def named_modules(self) -> list[tuple[str, Any]]:
+        return []  # wrap reads a split model's placement off its modules: none here
+
 
 def worker() -> dict[str, float]:
     import mlx.core as mx
@@ -125,14 +128,35 @@ def _worktree(rev: str) -> Path:
     return path
 
 
+def use_adapters_of(source: str) -> None:
+    """Import `kvstate.adapters` from `source`'s adapters/ folder. An editable install maps
+    that name to this checkout's folder whichever kvstate is first on the path, so without
+    this the earlier commit's worker would time this checkout's adapters."""
+    import importlib.util
+
+    folder = Path(source) / "adapters"
+    if not (folder / "__init__.py").exists():
+        return
+    import kvstate  # the parent package, from `source`
+
+    spec = importlib.util.spec_from_file_location(
+        "kvstate.adapters", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kvstate.adapters"] = module  # its submodules are then found in `folder`
+    kvstate.adapters = module  # type: ignore[attr-defined]
+    spec.loader.exec_module(module)
+
+
 def _run_worker(source: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(source)}
     code = (
-        "import sys, json; sys.path.insert(0, sys.argv[1]); "
-        "import hot_paths; print(json.dumps(hot_paths.worker()))"
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import hot_paths; "
+        "hot_paths.use_adapters_of(sys.argv[2]); print(json.dumps(hot_paths.worker()))"
     )
     run = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT / "benchmarks")],
+        [sys.executable, "-c", code, str(ROOT / "benchmarks"), str(source)],
         env=env,
         cwd=source,
         capture_output=True,

@@ -12,7 +12,7 @@ import pytest
 
 import kvstate as ks
 from kvstate import kinds
-from kvstate.adapters._convert import CONVERTERS, to_cache
+from kvstate.adapters.caches.registry import CONVERTERS, to_cache
 from kvstate.testing import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def _converts_to(convert, kind) -> bool:
 
 def test_adapters_import_only_public_kvstate_modules():
     private = re.compile(r"^\s*(from|import)\s+kvstate\.(_\w+)", re.M)
-    for path in (ROOT / "adapters").glob("*.py"):
+    for path in (ROOT / "adapters").rglob("*.py"):
         assert not private.findall(path.read_text()), f"{path.name} imports a private module"
 
 
