@@ -29,8 +29,9 @@ b of a batch of B; public names that predate it are given with their meaning her
   its next token; a round asks for min(depth, budget) drafts, and none when it is 0.
 - drafted[b]: the drafts row b proposed (`Proposal.counts[b]`; `accept(counts=...)`).
 - span: the drafts verified this round, max(drafted[b]) (a tree: its depth).
-- fed: the verify's input, (B, 1 + span) int32: each row's last token, then its drafts
-  (a tree round: the winning path's); what `Drafter.accept(fed, kept)` gets.
+- fed: the verify's input, (B, 1 + span) int32: each row's last token, then its drafts (a
+  tree round: (1, 1 + n), the winning path's n drafts); what `Drafter.accept(fed, kept)`
+  gets.
 - accepted[b]: the drafts of row b the target agreed with, 0 .. drafted[b]
   (`Verdict.accepted`, `PathVerdict.accepted`, `TreeVerdict.accepted`).
 - kept[b] = accepted[b] + 1: the tokens of `fed` row b keeps in the state (its last token
