@@ -170,3 +170,18 @@ def test_a_new_kind_works_in_tree_verification_and_a_draft_rollback_by_registeri
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("TokenLog ok")
+
+
+def test_joinable_forwards_is_a_kinds_capability_and_composes_over_parts():
+    """DenseKV declares it; a composite has it only when every part does (and a composite of
+    no parts, like `all([])`); the other capabilities compose as before."""
+    dense, window, recurrent = ks.DenseKV(), ks.RotatingKV(), ks.RecurrentState()
+    assert ks.capabilities(dense).joinable_forwards
+    assert not ks.capabilities(window).joinable_forwards
+    assert not ks.capabilities(recurrent).joinable_forwards
+    assert ks.capabilities(ks.ModelState((dense, ks.ListState((dense, dense))))).joinable_forwards
+    mixed = ks.ModelState((dense, ks.ListState((dense, recurrent))))
+    assert not ks.capabilities(mixed).joinable_forwards
+    assert ks.capabilities(mixed) == ks.capabilities(dense) & ks.capabilities(recurrent)
+    assert ks.capabilities(ks.ModelState((dense,))) == ks.capabilities(dense)
+    assert ks.capabilities(ks.ModelState(())).joinable_forwards

@@ -148,24 +148,24 @@ def accept(
     return _verdict(mx.concatenate([accepted[:, None], next_tokens[:, None]], axis=1))
 
 
-def accept_greedy(scores: mx.array, drafts: mx.array, counts: list[int]) -> Verdict:
+def accept_greedy(scores: mx.array, drafts: mx.array, drafted: list[int]) -> Verdict:
     """Greedy acceptance straight from `scores` (B, span+1, V): logits, or any distribution
     whose argmax is the target's pick. A draft is accepted while it is the target's argmax.
     One host sync for the whole batch."""
-    rows = greedy_picks(scores, drafts, counts)
+    rows = greedy_picks(scores, drafts, drafted)
     return Verdict([r[0] for r in rows], [r[1 + r[0]] for r in rows])
 
 
-def greedy_picks(scores: mx.array, drafts: mx.array, counts: list[int]) -> list[list[int]]:
+def greedy_picks(scores: mx.array, drafts: mx.array, drafted: list[int]) -> list[list[int]]:
     """Per row `[accepted, pick_0 .. pick_span]`: the drafts accepted (while each is the
     target's argmax `pick`) and the target's picks after the last token and each draft, in
     one host read. The row's emitted tokens are picks 0..accepted (the accepted drafts are
-    picks). `counts`: drafted[b]."""
+    picks). `drafted[b]`: the drafts that count in row b."""
     span = drafts.shape[1]
     picks = scores.argmax(-1).astype(mx.int32)  # (B, span+1)
     ok = picks[:, :span] == drafts
-    if min(counts) < span:  # filler past a row's count is never accepted
-        ok = ok & (mx.arange(span)[None] < mx.array(counts)[:, None])
+    if min(drafted) < span:  # filler past a row's drafts is never accepted
+        ok = ok & (mx.arange(span)[None] < mx.array(drafted)[:, None])
     accepted = mx.cumprod(ok, axis=1).sum(1, keepdims=True)  # (B, 1) int32
     return cast(list[list[int]], mx.concatenate([accepted, picks], axis=1).tolist())
 
