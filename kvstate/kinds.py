@@ -105,11 +105,11 @@ class Capabilities:
     can_roll_back: the last forward can be rolled back at all (False for a sliding window
         whose one-token forward overwrote a slot: the state passed to it is the rollback).
     joinable_forwards: k one-token forwards commit as one. Stamped as one forward of their
-        k tokens (`record_forward(state, None, k)`: the kind's record of a forward is its
-        `appended` alone), they roll back with one `commit_prefix`, because each wrote its
-        entries exactly where one k-token forward writes them (a dense KV buffer; not a
-        window, whose one-token forwards overwrite ring slots, nor a recurrent kind). A
-        draft model's rollback uses it (`kvstate.speculative.ModelDrafter`).
+        k tokens (`appended=k`: the kind records a forward by its `appended` static alone,
+        as the default `record_forward` does), they roll back with one `commit_prefix`,
+        because each wrote its entries exactly where one k-token forward writes them (a
+        dense KV buffer; not a window, whose one-token forwards overwrite ring slots, nor a
+        recurrent kind). A draft model's rollback uses it (`ModelDrafter`).
     """
 
     trimmable: bool = True

@@ -19,7 +19,7 @@ from .. import (
     row_select,
     tile,
 )
-from ..kinds import Composite, as_int, inherit, record_forward, with_parts
+from ..kinds import Composite, as_int, inherit, replace, with_parts
 from ._branches import Branches, first_picks, matching_path
 from ._drafter import DraftTree, Proposal
 from ._prefill import prefill
@@ -293,11 +293,12 @@ def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:
 
 def _stamped(state: Any, n: int) -> Any:
     """A state whose parts have joinable forwards (`Capabilities.joinable_forwards`) as if
-    its last `n` tokens came from one forward: each part's `record_forward` with no state
-    before (their record of a forward is `appended` alone)."""
+    its last `n` tokens came from one forward: such a kind records a forward by its
+    `appended` alone (what `kinds.record_forward` does for it), so no state before is
+    needed."""
     if isinstance(state, Composite):
         return with_parts(state, tuple(_stamped(p, n) for p in state.parts))
-    return record_forward(state, None, n)
+    return replace(state, appended=n)
 
 
 def _trimmed(proposal: _Proposed, kept: list[int]) -> Any:
