@@ -20,7 +20,12 @@ Generic functions get inputs the public transforms already validated (counts in 
 rows in range, configurations that agree). Helpers for writing a kind are exported too:
 `replace` (a copy with fields changed, fast), `kv_config` / `array_kv_config` (the config of
 a KV kind), `config_mismatches`, `shared_appended` (the pending forward a merge keeps),
-`uniform_count` (the one count of a kind without left padding), `host_ints`, `as_int`.
+`uniform_count` (the one count of a kind without left padding), `host_ints`, `as_int`,
+`as_ints`, `inherit` (a state made from others carries the consumers' trust they share) and
+`checkpoint_problem` (why a recurrent checkpoint does not fit an array).
+
+Kinds that keep one path of a tree forward (tree verification, `kvstate.speculative`)
+register `keep_path`, and `gather_path` when the path's entries move inside a buffer.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import attrs
 
+from ._checkpoints import problem as checkpoint_problem
 from ._dispatch import generic
-from ._errors import CommitError, StateError, require
-from ._ints import as_int
+from ._errors import CommitError, NotSupportedError, ShapeError, StateError, require
+from ._ints import as_int, as_ints
 from ._shared import (
     array_kv_config,
     config_mismatches,
@@ -41,7 +47,7 @@ from ._shared import (
     uniform_count,
 )
 from ._tree import State, frozen_state, host_ints, replace, static_field, tree_leaves
-from ._trust import vouch, vouched
+from ._trust import inherit, vouch, vouched
 
 __all__ = [
     "Capabilities",
@@ -51,8 +57,10 @@ __all__ = [
     "appended_of",
     "array_kv_config",
     "as_int",
+    "as_ints",
     "batch_size_of",
     "capabilities_of",
+    "checkpoint_problem",
     "commit_rows",
     "config_mismatches",
     "config_of",
@@ -60,8 +68,11 @@ __all__ = [
     "extract_row",
     "filter_rows",
     "fit_config_of",
+    "gather_path",
     "host_ints",
     "implements",
+    "inherit",
+    "keep_path",
     "kind_named",
     "kinds",
     "kv_config",
@@ -93,6 +104,12 @@ class Capabilities:
     needs_checkpoints: rolling back needs the checkpoints of a capturing forward.
     can_roll_back: the last forward can be rolled back at all (False for a sliding window
         whose one-token forward overwrote a slot: the state passed to it is the rollback).
+    joinable_forwards: k one-token forwards commit as one. Stamped as one forward of their
+        k tokens (`appended=k`: the kind records a forward by its `appended` static alone,
+        as the default `record_forward` does), they roll back with one `commit_prefix`,
+        because each wrote its entries exactly where one k-token forward writes them (a
+        dense KV buffer; not a window, whose one-token forwards overwrite ring slots, nor a
+        recurrent kind). A draft model's rollback uses it (`ModelDrafter`).
     """
 
     trimmable: bool = True
@@ -100,6 +117,7 @@ class Capabilities:
     batchable: bool = True
     needs_checkpoints: bool = False
     can_roll_back: bool = True
+    joinable_forwards: bool = False
 
     def __and__(self, other: Capabilities) -> Capabilities:
         """What a state made of both parts can do."""
@@ -109,7 +127,13 @@ class Capabilities:
             self.batchable and other.batchable,
             self.needs_checkpoints or other.needs_checkpoints,
             self.can_roll_back and other.can_roll_back,
+            self.joinable_forwards and other.joinable_forwards,
         )
+
+
+# The identity of `&`: a composite's capabilities start here and each part narrows them (a
+# composite of no parts can do everything, as `all([])` is true).
+_EVERYTHING = Capabilities(joinable_forwards=True)
 
 
 _KINDS: dict[str, type] = {}
@@ -286,6 +310,32 @@ def capabilities_of(state: Any) -> Capabilities:
     return caps
 
 
+@generic
+def gather_path(state: Any, positions: tuple[int, ...]) -> Any:
+    """Step 1 of keeping one path of a tree forward (see `keep_path`): the entries the last
+    forward (a tree forward, batch 1) wrote at input `positions` that must move into place,
+    gathered but not evaluated (any pytree of arrays), or None when the kind moves nothing
+    (default). The caller evaluates every part's entries in one sync before `keep_path`: a
+    gather still pending would make the write into the buffer copy it instead."""
+    return None
+
+
+@generic
+def keep_path(state: Any, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> Any:
+    """After a tree forward of T tokens (batch 1) that appended all T (token q attending to
+    its ancestors only), keep only the tokens at input `positions`: a root-to-node path, 0
+    first, increasing, each < T. The result is the state a linear forward of that path
+    gives, with nothing pending. `checkpoints`: the tree forward's, by input position
+    (entry t = after position t - 1); `gathered`: what `gather_path` returned, evaluated,
+    or None when the path is already in place (`positions` is 0 .. n - 1).
+
+    A kind that does not register it cannot keep a tree path (`NotSupportedError`)."""
+    raise NotSupportedError(
+        f"tree commit: a {type(state).__name__} layer cannot keep a tree path (kinds that "
+        f"can: {', '.join(k.__name__ for k in layer_kinds() if implements(k, keep_path))})"
+    )
+
+
 REQUIRED = (
     batch_size_of,
     commit_rows,
@@ -429,7 +479,7 @@ def _(state: Composite, before: Any, n: int) -> Any:
 
 @capabilities_of.register
 def _(state: Composite) -> Capabilities:
-    caps = Capabilities()
+    caps = _EVERYTHING
     for p in state.parts:
         caps = caps & capabilities_of(p)
     return caps
@@ -468,3 +518,22 @@ def _parts_agree(state: Composite, field: str) -> list[str]:
             "of one state saw the same forward, so they must agree"
         )
     return found
+
+
+@gather_path.register
+def _(state: Composite, positions: tuple[int, ...]) -> Any:
+    return tuple(gather_path(p, positions) for p in state.parts)
+
+
+@keep_path.register
+def _(state: Composite, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> Any:
+    parts = state.parts
+    per_part = checkpoints if checkpoints is not None else (None,) * len(parts)
+    if not isinstance(per_part, (tuple, list)) or len(per_part) != len(parts):
+        raise ShapeError(
+            f"tree commit: checkpoints for a {type(state).__name__} of {len(parts)} parts "
+            "must be a tuple of as many entries; pass what the tree forward returned"
+        )
+    moved = gathered if gathered is not None else (None,) * len(parts)
+    triples = zip(parts, per_part, moved, strict=True)
+    return with_parts(state, tuple(keep_path(p, positions, c, g) for p, c, g in triples))

@@ -180,7 +180,7 @@ def test_bad_trees_are_refused(tokens, parents, error):
 
 def test_bad_states_and_layers_are_refused(monkeypatch):
     _, m, state, truth = prefilled("llama")
-    with pytest.raises(ks.StateError, match="batch-1"):
+    with pytest.raises(ks.NotSupportedError, match="batch-1"):
         verify_tree(m, ks.tile(state, 2), truth[0], [1], [-1])
     with pytest.raises(ks.TokenError, match="outside the vocabulary"):
         verify_tree(m, state, truth[0], [VOCAB], [-1])
