@@ -4,11 +4,19 @@ mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` 
 `from_mlx_lm` hand mlx-vlm objects to it; importing this package never imports mlx_vlm).
 """
 
-# Importing the kind modules registers their converters.
-from . import _chunked, _dense, _quantized, _recurrent, _rotating, _turboquant, _vlm_only  # noqa: F401
-from ._attention_routing import route_attention
-from ._convert import from_mlx_lm, to_mlx_lm
-from ._mtp_head import MTPHead
-from ._wrap import WrappedModel, wrap
+from .caches import from_mlx_lm, to_mlx_lm
+from .instruments.routing import route_attention
+from .models.mtp_head import MTPHead
+from .wrapped.model import WrappedModel
+from .wrapped.options import wrap_options
+from .wrapped.wrap import wrap
 
-__all__ = ["MTPHead", "WrappedModel", "from_mlx_lm", "route_attention", "to_mlx_lm", "wrap"]
+__all__ = [
+    "MTPHead",
+    "WrappedModel",
+    "from_mlx_lm",
+    "route_attention",
+    "to_mlx_lm",
+    "wrap",
+    "wrap_options",
+]

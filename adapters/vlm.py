@@ -11,9 +11,9 @@ from typing import Any
 
 from kvstate import ModelState
 
-from ._convert import from_mlx_lm
-from ._vlm_caches import to_vlm_cache
-from ._vlm_wrap import VLMWrappedModel
+from .caches.convert import from_mlx_lm
+from .caches.vlm import to_vlm_cache
+from .wrapped.vlm import VLMWrappedModel
 
 
 def from_mlx_vlm(caches: Any) -> Any:
@@ -32,9 +32,18 @@ def to_mlx_vlm(state: Any) -> Any:
     return to_vlm_cache(state)
 
 
-def wrap(model: Any) -> VLMWrappedModel:
-    """A pure view of an mlx-vlm model (see `VLMWrappedModel`)."""
-    return VLMWrappedModel(model)
+def wrap(
+    model: Any,
+    *,
+    buckets: bool | None = None,
+    verify_kernel: bool | None = None,
+    record_mixers: bool | None = None,
+) -> VLMWrappedModel:
+    """A pure view of an mlx-vlm model (see `VLMWrappedModel`; the options as in
+    `kvstate.adapters.wrap`)."""
+    return VLMWrappedModel(
+        model, buckets=buckets, verify_kernel=verify_kernel, record_mixers=record_mixers
+    )
 
 
 __all__ = ["VLMWrappedModel", "from_mlx_vlm", "to_mlx_vlm", "wrap"]

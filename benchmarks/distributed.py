@@ -143,7 +143,7 @@ def decode_overhead(group: Any, reps: int, say: Any) -> None:
     n = 2000
     started = time.perf_counter()
     for _ in range(n):
-        m._ours(state, logits)
+        m.adopt(state, logits)
     added = (time.perf_counter() - started) / n
     rows.append(["host work a split model adds to a wrap step", "", fmt_time(added), ""])
     say("llama hidden 256, 4 layers, 8 q / 4 kv heads, tensor-sharded over 2 ranks; rank 0:\n")

@@ -44,15 +44,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_gated_delta() -> ModuleType:
-    """kvstate.adapters._gated_delta, installed or straight from this checkout."""
+    """kvstate.adapters.kernels.gated_delta, installed or straight from this checkout."""
     try:
-        from kvstate.adapters import _gated_delta
+        from kvstate.adapters.kernels import gated_delta
 
-        return _gated_delta
+        return gated_delta
     except ImportError:  # not installed: adapters/ becomes kvstate.adapters only on install
         sys.path.insert(0, str(ROOT))  # for `import kvstate` (needs attrs)
         spec = importlib.util.spec_from_file_location(
-            "kvstate_gated_delta", ROOT / "adapters" / "_gated_delta.py"
+            "kvstate_gated_delta", ROOT / "adapters" / "kernels" / "gated_delta.py"
         )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

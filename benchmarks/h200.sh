@@ -49,10 +49,10 @@ case "$part" in
   sampled-300)  # the 300-row sampled generation test, with and without bucketing (a CUDA graph error)
     for force in None False; do
       step 60 "sampled-300-force-$force" env MLX_ENABLE_TF32=0 python3 -c "import sys, pytest
-from kvstate.adapters import _buckets as b
-b.FORCE = $force
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x',
-  'tests/test_speculative.py::test_sampled_generation_matches_the_target_distribution']))"
+from kvstate.adapters import wrap_options
+with wrap_options(buckets=$force):
+  sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x',
+    'tests/test_speculative.py::test_sampled_generation_matches_the_target_distribution']))"
     done
     ;;
   plain-tests)  # pipelined plain decoding, hundreds of prompts (one graph of prefills failed on CUDA)

@@ -49,28 +49,30 @@ def _time(fn: Callable[[], Any], inner: int, reps: int = 7) -> float:
     return statistics.median(blocks)
 
 
-def null_model(layers: int) -> Any:
-    """A model that writes each token's K/V (ones) into every layer's cache and returns fixed
-    logits: a wrapped forward of it costs the wrapper's bookkeeping alone, without the math.
-    An `nn.Module`, since `wrap` walks the model's modules (its placement)."""
-    import mlx.core as mx
-    import mlx.nn as nn
+class NullModel:
+    """Writes each token's K/V (ones) into every layer's cache and returns fixed logits: a
+    wrapped forward of it costs the wrapper's bookkeeping alone, without the math."""
 
-    class NullModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = [nn.Identity() for _ in range(layers)]
-            self.kv = mx.ones((1, 2, 1, 64), mx.float16)
-            self.logits = mx.zeros((1, 1, 256), mx.float16)
+    def __init__(self, layers: int) -> None:
+        import mlx.core as mx
 
-        def __call__(self, tokens: Any, cache: list[Any]) -> Any:
-            width = tokens.shape[1]
-            kv = self.kv if width == 1 else mx.ones((1, 2, width, 64), mx.float16)
-            for c in cache:
-                c.update_and_fetch(kv, kv)
-            return self.logits
+        self.layers = [None] * layers
+        self.kv = mx.ones((1, 2, 1, 64), mx.float16)
+        self.logits = mx.zeros((1, 1, 256), mx.float16)
 
-    return NullModel()
+    def __call__(self, tokens: Any, cache: list[Any]) -> Any:
+        import mlx.core as mx
+
+        # As many positions as tokens: a prompt of 4 that wrote 1 would leave states whose
+        # `appended` (4) is past their length (1), which their constructors refuse.
+        width = tokens.shape[1]
+        kv = self.kv if width == 1 else mx.ones((1, 2, width, 64), mx.float16)
+        for c in cache:
+            c.update_and_fetch(kv, kv)
+        return self.logits
+
+    def named_modules(self) -> list[tuple[str, Any]]:
+        return []  # wrap reads a split model's placement off its modules: none here
 
 
 def worker() -> dict[str, float]:
@@ -86,7 +88,7 @@ def worker() -> dict[str, float]:
         from adapters.tiny_models import tiny_model  # type: ignore[no-redef]
 
     out: dict[str, float] = {}
-    null = wrap(null_model(16))
+    null = wrap(NullModel(16))
     box = {"state": null(mx.array([[1, 2, 3, 4]]), null.init_state())[1]}
 
     def decode() -> Any:
@@ -137,14 +139,35 @@ def _export(rev: str) -> Path:
     return path
 
 
+def use_adapters_of(source: str) -> None:
+    """Import `kvstate.adapters` from `source`'s adapters/ folder. An editable install maps
+    that name to this checkout's folder whichever kvstate is first on the path, so without
+    this the earlier commit's worker would time this checkout's adapters."""
+    import importlib.util
+
+    folder = Path(source) / "adapters"
+    if not (folder / "__init__.py").exists():
+        return
+    import kvstate  # the parent package, from `source`
+
+    spec = importlib.util.spec_from_file_location(
+        "kvstate.adapters", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kvstate.adapters"] = module  # its submodules are then found in `folder`
+    kvstate.adapters = module  # type: ignore[attr-defined]
+    spec.loader.exec_module(module)
+
+
 def _run_worker(source: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(source)}
     code = (
-        "import sys, json; sys.path.insert(0, sys.argv[1]); "
-        "import hot_paths; print(json.dumps(hot_paths.worker()))"
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import hot_paths; "
+        "hot_paths.use_adapters_of(sys.argv[2]); print(json.dumps(hot_paths.worker()))"
     )
     run = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT / "benchmarks")],
+        [sys.executable, "-c", code, str(ROOT / "benchmarks"), str(source)],
         env=env,
         cwd=source,
         capture_output=True,

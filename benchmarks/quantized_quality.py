@@ -112,7 +112,7 @@ def _side_bytes(state: Any, side: str, per: int) -> float:
 def _decoded(state: Any, side: str) -> mx.array:
     """One side decoded from kvstate's state alone: codecs rebuilt from its statics (or
     mx.dequantize for a Hybrid cache's uniform side)."""
-    from kvstate.adapters._vlm_turboquant import codec_of, side_state
+    from kvstate.adapters.caches.vlm.turboquant import codec_of, side_state
 
     if state.form == "hybrid" and getattr(state, f"{side}_scheme") == "uniform":
         packed, scales, biases = (

@@ -53,11 +53,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_ssm() -> ModuleType:
-    """This checkout's adapters/_ssm.py, whether or not (and wherever) kvstate is installed:
+    """This checkout's adapters/kernels/ssm.py, whether or not (and wherever) kvstate is installed:
     the GPU machine runs from a bare copy of the working tree."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # `from kvstate import ShapeError` inside it
-    spec = importlib.util.spec_from_file_location("kvstate_ssm_steps", ROOT / "adapters/_ssm.py")
+    spec = importlib.util.spec_from_file_location(
+        "kvstate_ssm_steps", ROOT / "adapters/kernels/ssm.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -157,7 +159,7 @@ def diff(got: mx.array, want: mx.array, magnitude: np.ndarray, rtol: float) -> D
 
 
 def backend_name() -> str:
-    if ssm._gpu_kernel() is None:
+    if ssm.gpu_kernel() is None:
         return "ops"
     return "cuda kernel" if mx.cuda.is_available() else "metal kernel"
 

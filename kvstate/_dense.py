@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._shared import array_kv_config, shared_appended
+from ._shared import array_kv_config, path_entries, path_in_place, shared_appended
 from ._tree import State, host_ints, replace, trusted
 from ._validation import (
     ints_within,
@@ -24,6 +24,8 @@ from .kinds import (
     config_of,
     extract_row,
     filter_rows,
+    gather_path,
+    keep_path,
     merge_states,
     problems,
     state_class,
@@ -32,7 +34,9 @@ from .kinds import (
 )
 
 
-@state_class(Capabilities(trimmable=True, ragged_commit=True, batchable=True))
+@state_class(
+    Capabilities(trimmable=True, ragged_commit=True, batchable=True, joinable_forwards=True)
+)
 class DenseKV(State):
     """Keys and values in a capacity buffer; positions [0, length) are in use.
 
@@ -270,3 +274,16 @@ def _(state: DenseKV, row: int) -> DenseKV:
         concatenate=state.concatenate,
         simple=state.simple,
     )
+
+
+@gather_path.register
+def _(state: DenseKV, positions: tuple[int, ...]) -> tuple[mx.array, mx.array] | None:
+    return path_entries(state.keys, state.values, state.length - state.appended, positions)
+
+
+@keep_path.register
+def _(state: DenseKV, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> DenseKV:
+    moved = path_in_place(state.keys, state.values, state.length - state.appended, gathered)
+    if moved is not None:
+        state = replace(state, keys=moved[0], values=moved[1])
+    return commit_rows(state, (len(positions),) * batch_size_of(state), None)

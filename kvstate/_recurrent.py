@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._checkpoints import Checkpoint, pick, problem
+from ._checkpoints import Checkpoint, checkpoint_at, pick, problem
 from ._errors import CheckpointRequiredError, ShapeError
 from ._shared import shared_appended
 from ._tree import State, trusted
@@ -29,6 +29,7 @@ from .kinds import (
     config_of,
     extend_states,
     extract_row,
+    keep_path,
     merge_states,
     problems,
     state_class,
@@ -255,3 +256,32 @@ def _(state: RecurrentState, counts: tuple[int, ...], checkpoints: Any) -> Recur
         unadvance(state.lengths),
         appended=0,
     )
+
+
+@keep_path.register
+def _(
+    state: RecurrentState, positions: tuple[int, ...], checkpoints: Any, gathered: Any
+) -> RecurrentState:
+    """The checkpoint after the path's last position (nothing moves: no `gather_path`)."""
+    n = len(state.arrays)
+    if not isinstance(checkpoints, (tuple, list)) or len(checkpoints) != n:
+        raise ShapeError(
+            f"tree commit: a RecurrentState of {n} arrays needs a tuple of {n} checkpoints; "
+            f"got {type(checkpoints).__name__}. Pass what the tree forward returned"
+        )
+    found = []
+    arrays: list[mx.array | None] = []
+    for i, (a, c) in enumerate(zip(state.arrays, checkpoints, strict=True)):
+        if a is None or c is None:
+            if (a is None) != (c is None):
+                found.append(f"[{i}]: array and checkpoint must both be None or neither")
+            arrays.append(None)
+            continue
+        why = problem(c, a, 1, state.appended)
+        if why:
+            found.append(f"[{i}]: {why}")
+            continue
+        arrays.append(checkpoint_at(c, positions[-1] + 1))
+    if found:
+        raise ShapeError("tree commit: checkpoints do not fit: " + "; ".join(found))
+    return RecurrentState(tuple(arrays), state.left_padding, state.lengths)

@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from ._errors import CommitError, ConfigMismatchError
-from ._shared import array_kv_config, shared_appended
+from ._errors import CommitError, ConfigMismatchError, NotSupportedError
+from ._shared import array_kv_config, path_entries, path_in_place, shared_appended
 from ._tree import State, host_ints, replace, trusted
 from ._validation import (
     kv_pair_problems,
@@ -41,6 +41,8 @@ from .kinds import (
     config_of,
     extend_states,
     extract_row,
+    gather_path,
+    keep_path,
     merge_states,
     problems,
     record_forward,
@@ -578,3 +580,26 @@ def _extract_window(state: RotatingKV, row: int) -> RotatingKV:
         )
     k, v = mx.contiguous(k[:, :, padding:end]), mx.contiguous(v[:, :, padding:end])
     return trusted(RotatingKV)(k, v, max_size=state.max_size, offset=offset, index=k.shape[2])
+
+
+def _path_start(state: RotatingKV) -> int:
+    """Where a tree forward's first token sits: a multi-token forward leaves the window in
+    temporal order, its tokens last."""
+    return (0 if state.keys is None else int(state.keys.shape[2])) - state.appended
+
+
+@gather_path.register
+def _(state: RotatingKV, positions: tuple[int, ...]) -> tuple[mx.array, mx.array] | None:
+    if state.left_padding is not None:
+        return None  # keep_path refuses it
+    return path_entries(state.keys, state.values, _path_start(state), positions)
+
+
+@keep_path.register
+def _(state: RotatingKV, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> RotatingKV:
+    if state.keys is not None and state.values is not None and state.left_padding is not None:
+        raise NotSupportedError("tree commit: a batched sliding window cannot keep a tree path")
+    moved = path_in_place(state.keys, state.values, _path_start(state), gathered)
+    if moved is not None:
+        state = replace(state, keys=moved[0], values=moved[1])
+    return commit_rows(state, (len(positions),) * batch_size_of(state), None)

@@ -1,11 +1,14 @@
-"""Helpers the kind modules share: merge configurations, their mismatches, pending counts."""
+"""Helpers the kind modules share: merge configurations, their mismatches, pending counts,
+and the KV kinds' part of keeping a tree path."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import CommitError, require
+import mlx.core as mx
+
+from ._errors import CommitError, StateError, require
 
 
 def kv_config(
@@ -86,3 +89,35 @@ def uniform_count(state: Any, counts: tuple[int, ...]) -> int:
         "or extract the rows (kvstate.extract) and commit each on its own",
     )
     return counts[0]
+
+
+def path_entries(
+    keys: mx.array | None, values: mx.array | None, start: int, positions: tuple[int, ...]
+) -> tuple[mx.array, mx.array] | None:
+    """A KV layer's `gather_path`: the keys and values (B, H, n, D) the tree forward wrote at
+    input `positions`, its first token sitting at buffer position `start` (axis 2), in
+    path order; None for a layer that holds nothing (`keep_path` refuses it)."""
+    if keys is None or values is None:
+        return None
+    index = mx.array([start + q for q in positions], mx.int32)
+    return mx.take(keys, index, axis=2), mx.take(values, index, axis=2)
+
+
+def path_in_place(
+    keys: mx.array | None, values: mx.array | None, start: int, gathered: Any
+) -> tuple[mx.array, mx.array] | None:
+    """A KV layer's part of `keep_path`: its keys and values with the gathered path written
+    at buffer positions start .., as new arrays (the write must not reach the state they
+    came from); None when nothing moves (`gathered` None: the path is already in place).
+    The keys carry their RoPE at their depth in the tree, which is their final position."""
+    if keys is None or values is None:
+        raise StateError("tree commit: a KV layer holds nothing; run the tree forward first")
+    if gathered is None:
+        return None
+
+    def fill(a: mx.array, block: mx.array) -> mx.array:
+        out = a[...]  # a fresh object: the assignment must not reach the state
+        out[..., start : start + block.shape[2], :] = block
+        return out
+
+    return fill(keys, gathered[0]), fill(values, gathered[1])

@@ -136,9 +136,12 @@ def capabilities(state: Any) -> Capabilities:
 def commit_prefix(state: S, accepted: Any, checkpoints: Any = None) -> S:
     """After a forward of K tokens, keep only the first `accepted` of them.
 
-    `accepted`: an int, or one count per row (ragged). KV kinds trim; sliding windows
-    restore what the forward overwrote; recurrent kinds need `checkpoints`, the value a
-    capturing forward (`wrapped(tokens, state, capture=True)`) returned.
+    `accepted`: the number of the last forward's tokens to keep, 0 .. K: an int, or one
+    count per row (ragged). After a speculative verify of each row's last token and its
+    drafts that is the kept count, accepted drafts + 1 (`kvstate.speculative`'s glossary).
+    KV kinds trim; sliding windows restore what the forward overwrote; recurrent kinds need
+    `checkpoints`, the value a capturing forward (`wrapped(tokens, state, capture=True)`)
+    returned.
     """
     counts = _counts(state, accepted)
     refuse_unneeded_checkpoints(state, checkpoints)

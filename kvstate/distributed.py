@@ -87,9 +87,10 @@ def agree(values: Sequence[int], group: Any = None, *, what: str = "values") -> 
     )
 
 
-def group_of(target: Any) -> Any:
-    """The distributed group of a wrapped model (its `group`), or None when it runs in one
-    process: decoders check agreement only when this is not None."""
+def group_of(target: object) -> Any:
+    """The distributed group of a wrapped model or any `kvstate.speculative.Target` (its
+    optional `group`), or None when it runs in one process: decoders check agreement only
+    when this is not None. The one place that probes a target for its group."""
     group = getattr(target, "group", None)
     return group if group is not None and group.size() > 1 else None
 

@@ -28,7 +28,12 @@ rows in range, configurations that agree). Helpers for writing a kind are export
 `replace` (a copy with fields changed, fast, unchecked), `trusted` (a kind's constructor
 without the check), `kv_config` / `array_kv_config` (the config of
 a KV kind), `config_mismatches`, `shared_appended` (the pending forward a merge keeps),
-`uniform_count` (the one count of a kind without left padding), `host_ints`, `as_int`.
+`uniform_count` (the one count of a kind without left padding), `host_ints`, `as_int`,
+`as_ints`, `inherit` (a state made from others carries the consumers' trust they share) and
+`checkpoint_problem` (why a recurrent checkpoint does not fit an array).
+
+Kinds that keep one path of a tree forward (tree verification, `kvstate.speculative`)
+register `keep_path`, and `gather_path` when the path's entries move inside a buffer.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import attrs
 
+from ._checkpoints import problem as checkpoint_problem
 from ._dispatch import generic
-from ._errors import CommitError, StateError, inconsistent, require
-from ._ints import as_int
+from ._errors import CommitError, NotSupportedError, ShapeError, StateError, inconsistent, require
+from ._ints import as_int, as_ints
 from ._repr import summary
 from ._shared import (
     array_kv_config,
@@ -58,7 +64,7 @@ from ._tree import (
     tree_leaves,
     trusted,
 )
-from ._trust import vouch, vouched
+from ._trust import inherit, vouch, vouched
 
 __all__ = [
     "Capabilities",
@@ -68,8 +74,10 @@ __all__ = [
     "appended_of",
     "array_kv_config",
     "as_int",
+    "as_ints",
     "batch_size_of",
     "capabilities_of",
+    "checkpoint_problem",
     "commit_rows",
     "config_mismatches",
     "config_of",
@@ -78,8 +86,11 @@ __all__ = [
     "extract_row",
     "filter_rows",
     "fit_config_of",
+    "gather_path",
     "host_ints",
     "implements",
+    "inherit",
+    "keep_path",
     "kind_named",
     "kinds",
     "kv_config",
@@ -112,6 +123,12 @@ class Capabilities:
     needs_checkpoints: rolling back needs the checkpoints of a capturing forward.
     can_roll_back: the last forward can be rolled back at all (False for a sliding window
         whose one-token forward overwrote a slot: the state passed to it is the rollback).
+    joinable_forwards: k one-token forwards commit as one. Stamped as one forward of their
+        k tokens (`appended=k`: the kind records a forward by its `appended` static alone,
+        as the default `record_forward` does), they roll back with one `commit_prefix`,
+        because each wrote its entries exactly where one k-token forward writes them (a
+        dense KV buffer; not a window, whose one-token forwards overwrite ring slots, nor a
+        recurrent kind). A draft model's rollback uses it (`ModelDrafter`).
     """
 
     trimmable: bool = True
@@ -119,6 +136,7 @@ class Capabilities:
     batchable: bool = True
     needs_checkpoints: bool = False
     can_roll_back: bool = True
+    joinable_forwards: bool = False
 
     def __and__(self, other: Capabilities) -> Capabilities:
         """What a state made of both parts can do."""
@@ -128,7 +146,13 @@ class Capabilities:
             self.batchable and other.batchable,
             self.needs_checkpoints or other.needs_checkpoints,
             self.can_roll_back and other.can_roll_back,
+            self.joinable_forwards and other.joinable_forwards,
         )
+
+
+# The identity of `&`: a composite's capabilities start here and each part narrows them (a
+# composite of no parts can do everything, as `all([])` is true).
+_EVERYTHING = Capabilities(joinable_forwards=True)
 
 
 _KINDS: dict[str, type] = {}
@@ -331,6 +355,32 @@ def capabilities_of(state: Any) -> Capabilities:
     return caps
 
 
+@generic
+def gather_path(state: Any, positions: tuple[int, ...]) -> Any:
+    """Step 1 of keeping one path of a tree forward (see `keep_path`): the entries the last
+    forward (a tree forward, batch 1) wrote at input `positions` that must move into place,
+    gathered but not evaluated (any pytree of arrays), or None when the kind moves nothing
+    (default). The caller evaluates every part's entries in one sync before `keep_path`: a
+    gather still pending would make the write into the buffer copy it instead."""
+    return None
+
+
+@generic
+def keep_path(state: Any, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> Any:
+    """After a tree forward of T tokens (batch 1) that appended all T (token q attending to
+    its ancestors only), keep only the tokens at input `positions`: a root-to-node path, 0
+    first, increasing, each < T. The result is the state a linear forward of that path
+    gives, with nothing pending. `checkpoints`: the tree forward's, by input position
+    (entry t = after position t - 1); `gathered`: what `gather_path` returned, evaluated,
+    or None when the path is already in place (`positions` is 0 .. n - 1).
+
+    A kind that does not register it cannot keep a tree path (`NotSupportedError`)."""
+    raise NotSupportedError(
+        f"tree commit: a {type(state).__name__} layer cannot keep a tree path (kinds that "
+        f"can: {', '.join(k.__name__ for k in layer_kinds() if implements(k, keep_path))})"
+    )
+
+
 _no_problems_registered = problems.dispatch(object)
 
 REQUIRED = (
@@ -476,7 +526,7 @@ def _(state: Composite, before: Any, n: int) -> Any:
 
 @capabilities_of.register
 def _(state: Composite) -> Capabilities:
-    caps = Capabilities()
+    caps = _EVERYTHING
     for p in state.parts:
         caps = caps & capabilities_of(p)
     return caps
@@ -550,3 +600,22 @@ def _parts_agree(state: Composite) -> list[str]:
             "of one state saw the same forward, so they must agree"
         )
     return found
+
+
+@gather_path.register
+def _(state: Composite, positions: tuple[int, ...]) -> Any:
+    return tuple(gather_path(p, positions) for p in state.parts)
+
+
+@keep_path.register
+def _(state: Composite, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> Any:
+    parts = state.parts
+    per_part = checkpoints if checkpoints is not None else (None,) * len(parts)
+    if not isinstance(per_part, (tuple, list)) or len(per_part) != len(parts):
+        raise ShapeError(
+            f"tree commit: checkpoints for a {type(state).__name__} of {len(parts)} parts "
+            "must be a tuple of as many entries; pass what the tree forward returned"
+        )
+    moved = gathered if gathered is not None else (None,) * len(parts)
+    triples = zip(parts, per_part, moved, strict=True)
+    return with_parts(state, tuple(keep_path(p, positions, c, g) for p, c, g in triples))

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, gated_delta_ops, normalize_qk
 
-from kvstate.adapters._gated_delta import _gpu_kernel, gated_delta_steps
+from kvstate.adapters.kernels.gated_delta import gated_delta_steps, gpu_kernel
 
 
 @st.composite
@@ -105,7 +105,7 @@ def test_every_step_is_mlx_lm_bit_for_bit(inputs: dict[str, Any]) -> None:
 
 
 @pytest.mark.skipif(
-    _gpu_kernel(vectorized=False, masked=False) is None, reason="no GPU kernel on this device"
+    gpu_kernel(vectorized=False, masked=False) is None, reason="no GPU kernel on this device"
 )
 @given(recurrences())
 def test_the_gpu_kernel_equals_the_ops_path(inputs: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.ssm import ssm_update
 
 from kvstate import ShapeError
-from kvstate.adapters._ssm import ssm_steps
+from kvstate.adapters.kernels.ssm import ssm_steps
 
 STATE_RTOL = 64 * float(np.finfo(np.float32).eps)
 

@@ -9,25 +9,25 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _buckets as buckets
 from kvstate.adapters import wrap
-from kvstate.adapters._verify_attention import MAX_QUERIES
+from kvstate.adapters.instruments import buckets
+from kvstate.adapters.kernels.verify_attention import MAX_QUERIES
 from kvstate.adapters.tiny_models import tiny_model
 
 PROMPTS = [[3, 17, 42, 99, 7, 250, 31, 8, 1, 2], [5, 6, 7], [9, 10, 11, 12, 13, 14]]
 
 
-def run_both(monkeypatch, name: str, steps, **config) -> list[tuple[np.ndarray, np.ndarray]]:
+def run_both(name: str, steps, verify_kernel=None, **config) -> list[tuple[np.ndarray, np.ndarray]]:
     """`steps(m)` -> logits, with bucketing off and on."""
     out = []
     for force in (False, True):
-        monkeypatch.setattr(buckets, "FORCE", force)
-        out.append([np.array(x) for x in steps(wrap(tiny_model(name, **config)))])
+        m = wrap(tiny_model(name, **config), buckets=force, verify_kernel=verify_kernel)
+        out.append([np.array(x) for x in steps(m)])
     return list(zip(*out, strict=True))
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
-def test_bucketed_forwards_give_the_exact_logits(monkeypatch, name):
+def test_bucketed_forwards_give_the_exact_logits(name):
     def steps(m):
         state = ks.merge([m(mx.array([p]), m.init_state())[1] for p in PROMPTS])
         verify, after, checkpoints = m(mx.array([[1, 2, 3, 4, 5]] * 3), state, capture=True)
@@ -36,13 +36,11 @@ def test_bucketed_forwards_give_the_exact_logits(monkeypatch, name):
         decode, _ = m(mx.array([[9]] * 3), state)
         return verify, follow, decode
 
-    for exact, bucketed in run_both(monkeypatch, name, steps):
+    for exact, bucketed in run_both(name, steps):
         np.testing.assert_allclose(bucketed, exact, rtol=1e-4, atol=1e-4)
 
 
 def test_buckets_cover_the_keys_and_the_classes_come_back(monkeypatch):
-    monkeypatch.setattr(buckets, "FORCE", True)
-    monkeypatch.setattr(buckets, "KERNEL", False)  # the spy below is not on a routed class
     model = tiny_model("llama", num_hidden_layers=1)
     seen = []
     attention = model.model.layers[0].self_attn
@@ -54,7 +52,7 @@ def test_buckets_cover_the_keys_and_the_classes_come_back(monkeypatch):
         return original(self, x, mask, cache)
 
     monkeypatch.setattr(type(attention), "__call__", spy)
-    m = wrap(model)
+    m = wrap(model, buckets=True, verify_kernel=False)  # the spy is not on a routed class
     _, state = m(mx.array([PROMPTS[0]]), m.init_state())
     assert seen[-1][0] == (10, 256)  # 10 queries over a 256-key bucket
     # Keys exist now: the mask is additive, in their dtype (CUDA would convert a boolean one
@@ -95,7 +93,6 @@ def test_verify_kernel_route_gives_the_exact_logits_and_checkpoints(monkeypatch,
     """Batch-1 verifies of 2..9 tokens through the routed attention equal the same forwards
     without any bucketing (mlx-lm's own attention at the exact length), and every attention
     layer of every verify went through the route; decode steps did not."""
-    monkeypatch.setattr(buckets, "KERNEL", True)
 
     def steps(m):
         _, state = m(mx.array([PROMPTS[0]]), m.init_state())
@@ -110,7 +107,7 @@ def test_verify_kernel_route_gives_the_exact_logits_and_checkpoints(monkeypatch,
         return out
 
     calls = counting_kernel(monkeypatch)
-    for exact, routed in run_both(monkeypatch, name, steps, head_dim=32):
+    for exact, routed in run_both(name, steps, verify_kernel=True, head_dim=32):
         np.testing.assert_allclose(routed, exact, rtol=1e-4, atol=1e-4)
     # Every KVCache layer (gemma3's global ones; its window layers keep their own mask).
     attention = sum(type(c) is KVCache for c in make_prompt_cache(tiny_model(name)))
@@ -120,12 +117,10 @@ def test_verify_kernel_route_gives_the_exact_logits_and_checkpoints(monkeypatch,
 
 
 def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take(monkeypatch):
-    monkeypatch.setattr(buckets, "FORCE", True)
-    monkeypatch.setattr(buckets, "KERNEL", True)
     calls = counting_kernel(monkeypatch)
     model = tiny_model("llama", head_dim=32)
     attention_class = type(model.model.layers[0].self_attn)
-    m = wrap(model)
+    m = wrap(model, buckets=True, verify_kernel=True)
     _, state = m(mx.array([PROMPTS[0]]), m.init_state())
     _, state = m(mx.array([[1, 2, 3]]), state)
     assert len(calls) == model.args.num_hidden_layers
@@ -137,7 +132,7 @@ def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take
     m(mx.array([[1, 2, 3]] * 3), batch)
     m.tree_forward(mx.array([[1, 2, 3]]), state, [-1, 0, 0])
     # A sliding window (gemma3_text's local layers ask for window_size): buckets for those.
-    gemma = wrap(tiny_model("gemma3_text", head_dim=32))
+    gemma = wrap(tiny_model("gemma3_text", head_dim=32), buckets=True, verify_kernel=True)
     _, g = gemma(mx.array([PROMPTS[0]]), gemma.init_state())
     gemma(mx.array([[1, 2, 3]]), g)
     assert len(calls) == model.args.num_hidden_layers + sum(
@@ -153,7 +148,7 @@ def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take
      (1, 8, 1, 17, 2100, 128)],
 )  # fmt: skip
 def test_verify_kernel_equals_mlx_attention(dtype, batch, heads, kv_heads, tokens, keys, dim):
-    from kvstate.adapters._verify_attention import verify_attention
+    from kvstate.adapters.kernels.verify_attention import verify_attention
 
     rng = np.random.default_rng(tokens + keys)
     q = mx.array(rng.standard_normal((batch, heads, tokens, dim)), dtype)
@@ -171,7 +166,7 @@ def test_verify_kernel_equals_mlx_attention(dtype, batch, heads, kv_heads, token
 def test_routed_attention_passes_its_arguments_through(monkeypatch):
     """The routed function hands a route (scale, mask, sinks) however the model passed them,
     and calls mlx-lm's function with exactly the caller's arguments when the route declines."""
-    from kvstate.adapters import _attention_routing as routing
+    from kvstate.adapters.instruments import routing
 
     class Cache:
         pass
@@ -179,7 +174,7 @@ def test_routed_attention_passes_its_arguments_through(monkeypatch):
     seen = []
     monkeypatch.setitem(routing.ROUTES, Cache, lambda q, k, v, c, *rest: seen.append(rest))
     calls = []
-    routed = routing._routing(lambda *args, **kw: calls.append((args, kw)) or "mlx-lm")
+    routed = routing.routed_function(lambda *args, **kw: calls.append((args, kw)) or "mlx-lm")
     cache = Cache()
     assert routed(1, 2, 3, cache, 0.5, "causal") == "mlx-lm"
     assert routed(1, 2, 3, cache=cache, scale=0.25, mask=None, sinks=7) == "mlx-lm"

@@ -81,7 +81,7 @@ def test_chain_equals_mlx_lm_and_the_sequence_of_calls(name: str, rows: int) -> 
     for steps in range(1, 6):
         caches, state = _prefill(model, m, rows)
         logits, picks, new = m.chain(tokens, state, steps, _pick)
-        kept = m._kept._state  # the chain's caches, kept for a plain forward from `new`
+        kept = m.kept._state  # the chain's caches, kept for a plain forward from `new`
         assert kept is not None and kept() is new
         ref_logits, ref_picks = _mlx_lm_chain(model, caches, tokens, steps)
         assert logits.shape == (rows, steps, VOCAB)

@@ -88,7 +88,7 @@ def test_a_quantized_state_fits_the_dense_layers_it_stands_for():
 
 
 def _counting_checks(monkeypatch):
-    import kvstate.adapters._wrap as wrap_module
+    import kvstate.adapters.wrapped.model as wrap_module
 
     calls = []
     real = wrap_module.layer_mismatches

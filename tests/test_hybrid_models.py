@@ -9,10 +9,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _capture as capture_module
-from kvstate.adapters import _forward as forward_module
-from kvstate.adapters import wrap
+from kvstate.adapters import wrap, wrap_options
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
+from kvstate.adapters.wrapped import forward as forward_module
 from kvstate.testing import assert_states_allclose, assert_states_equal, frozen_copy
 from tests.helpers import (
     assert_teacher_forced_logits_match,
@@ -84,9 +83,7 @@ def test_logits_equal_mlx_lm_under_teacher_forcing(model):
 def path(request):
     """Which capturing path runs: recording inside the known mixers, or (with no mixer
     known) the automatic fallback that replays the whole model token by token."""
-    with pytest.MonkeyPatch.context() as mp:
-        if request.param == "replay":
-            mp.setattr(capture_module, "KNOWN_MIXERS", {})
+    with wrap_options(record_mixers=request.param != "replay"):
         yield request.param
 
 
@@ -164,7 +161,7 @@ def test_known_mixers_need_no_replay_and_get_their_classes_back(model, monkeypat
     def no_replay(*args, **kwargs):
         raise AssertionError("the capturing forward replayed the model")
 
-    monkeypatch.setattr(forward_module, "_replay", no_replay)
+    monkeypatch.setattr(forward_module, "replay_checkpoints", no_replay)
     _, _, checkpoints = m(mx.array([DRAFT]), state, capture=True)
     assert any(c is not None for c in checkpoints)
     assert [type(mod) for mod in model.modules()] == classes
@@ -229,8 +226,7 @@ def test_one_pass_checkpoints_equal_the_token_by_token_ones(model, monkeypatch):
     m = wrap(model)
     _, state = m(mx.array([PROMPT]), m.init_state())
     _, _, fast = m(mx.array([DRAFT]), state, capture=True)
-    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
-    _, after, slow = wrap(model)(mx.array([DRAFT]), state, capture=True)
+    _, after, slow = wrap(model, record_mixers=False)(mx.array([DRAFT]), state, capture=True)
     pairs = zip(parts_of_checkpoints(after, fast), parts_of_checkpoints(after, slow), strict=True)
     compared = 0
     for one_pass, replayed in pairs:

@@ -42,7 +42,7 @@ from kvstate import (
     kinds,
 )
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate.adapters._convert import CONVERTERS, to_cache
+from kvstate.adapters.caches.registry import CONVERTERS, to_cache
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.kinds import appended_of, batch_size_of
 

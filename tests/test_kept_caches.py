@@ -93,8 +93,8 @@ def test_derived_states_and_captures_convert_as_before() -> None:
 def test_kept_caches_go_with_the_state_they_hold() -> None:
     m = wrap(tiny_model("llama"))
     _, state = m(mx.array([PROMPT]), m.init_state())
-    assert m._kept.take(state) is not None  # the prompt forward's caches were kept
+    assert m.kept.take(state) is not None  # the prompt forward's caches were kept
     _, state = m(mx.array([[7]]), state)
     del state
     gc.collect()
-    assert m._kept.take(None) is None and m._kept._caches is None  # nothing holds the KV now
+    assert m.kept.take(None) is None and m.kept._caches is None  # nothing holds the KV now

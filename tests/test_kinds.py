@@ -13,7 +13,7 @@ from hypothesis import find
 
 import kvstate as ks
 from kvstate import kinds
-from kvstate.adapters._convert import CONVERTERS, to_cache
+from kvstate.adapters.caches.registry import CONVERTERS, to_cache
 from kvstate.testing import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def _converts_to(convert, kind) -> bool:
 
 def test_adapters_import_only_public_kvstate_modules():
     private = re.compile(r"^\s*(from|import)\s+kvstate\.(_\w+)", re.M)
-    for path in (ROOT / "adapters").glob("*.py"):
+    for path in (ROOT / "adapters").rglob("*.py"):
         assert not private.findall(path.read_text()), f"{path.name} imports a private module"
 
 
@@ -123,3 +123,68 @@ def test_a_generic_function_finds_implementations_registered_after_it_was_called
     describe.register(Derived, lambda x, suffix="": "derived" + suffix)
     assert describe(Derived()) == "derived"
     assert describe(Base()) == "base"
+
+
+def test_the_speculative_package_uses_only_public_kvstate_names():
+    """kvstate/speculative/ is built on the public API: names `kvstate`, `kvstate.kinds` and
+    `kvstate.distributed` export, and its own modules (every import, wherever it sits)."""
+    import ast
+
+    from kvstate import distributed
+
+    exported = {
+        "kvstate": {*ks.__all__, "kinds", "distributed"},
+        "kvstate.kinds": set(kinds.__all__),
+        "kvstate.distributed": set(distributed.__all__),
+    }
+    found = []
+    for path in sorted((ROOT / "kvstate" / "speculative").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [
+                    f"{path.name}: import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("kvstate") and a.name not in exported
+                ]
+            elif isinstance(node, ast.ImportFrom) and node.level != 1:  # 1: its own modules
+                if node.level == 0 and not (node.module or "").startswith("kvstate"):
+                    continue  # mlx, attrs, the standard library
+                # From kvstate/speculative/, level 2 is kvstate itself.
+                module = node.module if node.level == 0 else f"kvstate.{node.module or ''}"
+                module = module.rstrip(".")
+                names = {a.name for a in node.names}
+                if node.level > 2 or module not in exported or names - exported[module]:
+                    found.append(f"{path.name}: from {module} import {sorted(names)}")
+    assert not found, "private kvstate names imported:\n" + "\n".join(found)
+
+
+def test_a_new_kind_works_in_tree_verification_and_a_draft_rollback_by_registering():
+    """tests/kind_by_registration.py declares a kind (a token log) and registers its
+    transforms, `keep_path` / `gather_path` and `Capabilities.joinable_forwards`: tree
+    verification keeps a path of it (gathered into place), and ModelDrafter rolls a draft
+    state of it back by one commit, without re-running the draft model. (Its own process: the
+    registry of this one stays the library's.)"""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kind_by_registration.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("TokenLog ok")
+
+
+def test_joinable_forwards_is_a_kinds_capability_and_composes_over_parts():
+    """DenseKV declares it; a composite has it only when every part does (and a composite of
+    no parts, like `all([])`); the other capabilities compose as before."""
+    dense, window, recurrent = ks.DenseKV(), ks.RotatingKV(max_size=4), ks.RecurrentState()
+    assert ks.capabilities(dense).joinable_forwards
+    assert not ks.capabilities(window).joinable_forwards
+    assert not ks.capabilities(recurrent).joinable_forwards
+    assert ks.capabilities(ks.ModelState((dense, ks.ListState((dense, dense))))).joinable_forwards
+    mixed = ks.ModelState((dense, ks.ListState((dense, recurrent))))
+    assert not ks.capabilities(mixed).joinable_forwards
+    assert ks.capabilities(mixed) == ks.capabilities(dense) & ks.capabilities(recurrent)
+    assert ks.capabilities(ks.ModelState((dense,))) == ks.capabilities(dense)
+    assert ks.capabilities(ks.ModelState(())).joinable_forwards

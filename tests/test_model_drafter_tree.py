@@ -29,7 +29,7 @@ from kvstate.speculative import (
 )
 from kvstate.speculative import _model_drafter as drafter_module
 from kvstate.speculative._branches import first_picks
-from kvstate.speculative._tree_round import root_to_leaf_paths
+from kvstate.speculative._trees import root_to_leaf_paths
 from tests.helpers import CountingModel, greedy_reference, raw_logits
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5]

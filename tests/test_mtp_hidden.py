@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _hidden, wrap
+from kvstate.adapters import wrap
+from kvstate.adapters.instruments import hidden as hidden_module
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.testing import assert_states_allclose
 
@@ -84,7 +85,7 @@ def test_modules_get_their_classes_back_and_the_default_path_records_nothing(mon
     def refuse(*args, **kwargs):
         raise AssertionError("recording hidden states that were not asked for")
 
-    monkeypatch.setattr("kvstate.adapters._forward.recording_hidden", refuse)
+    monkeypatch.setattr("kvstate.adapters.wrapped.forward.recording_hidden", refuse)
     _, state = m(mx.array([PROMPT]), m.init_state())
     m(mx.array([[1, 2]]), state, capture=True)
 
@@ -121,20 +122,17 @@ def test_a_model_without_one_findable_projection_is_a_clear_error(twice):
 
 
 def test_output_projections_finds_lm_head_and_tied_embeddings():
-    untied = _hidden.output_projections(tiny_model("llama"))
-    tied = _hidden.output_projections(tiny_model("llama", tie_word_embeddings=True))
+    untied = hidden_module.output_projections(tiny_model("llama"))
+    tied = hidden_module.output_projections(tiny_model("llama", tie_word_embeddings=True))
     assert sorted(p.method for p in untied) == ["__call__", "as_linear"]
     assert [p.method for p in tied] == ["as_linear"]
 
 
-def test_hidden_states_with_the_replay_fallback(monkeypatch):
+def test_hidden_states_with_the_replay_fallback():
     """A recurrent layer kvstate cannot record is replayed token by token after the forward;
     the hidden states are still the verify forward's own."""
-    from kvstate.adapters import _capture
-
-    monkeypatch.setattr(_capture, "KNOWN_MIXERS", {})
     model = tiny_model("qwen3_next")
-    m = wrap(model)
+    m = wrap(model, record_mixers=False)
     body, _ = inner_and_projection(model)
     caches = make_prompt_cache(model)
     _, state = m(mx.array([PROMPT]), m.init_state())

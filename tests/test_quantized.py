@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate.adapters._quantized import packed_quantized_cache, packed_update_and_fetch
+from kvstate.adapters.caches.compat import packed_quantized_cache, packed_update_and_fetch
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.testing import assert_states_equal, frozen_copy
 

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 import kvstate as ks
 import kvstate.testing
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate.adapters._quantized import QuantizedStateCache
+from kvstate.adapters.caches.quantized_cache import QuantizedStateCache
 from kvstate.adapters.tiny_models import CONFIGS, tiny_model
 from kvstate.quantization import Codec, rotation_numpy
 

@@ -79,7 +79,7 @@ def test_tokenizer_keeps_special_tokens_whole_and_splits_digits(smollm2):
 
 
 def test_without_the_package_there_is_no_model(monkeypatch):
-    monkeypatch.setattr(real_models, "_PACKAGE", "kvstate_no_such_package")
+    monkeypatch.setattr("kvstate.adapters.models.real._PACKAGE", "kvstate_no_such_package")
     assert real_models.smollm2_path() is None
     assert real_models.load_smollm2() is None
 

@@ -10,7 +10,6 @@ from mlx_lm.generate import _merge_caches, _right_pad_prompts
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _capture as capture_module
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.testing import assert_states_equal, frozen_copy
@@ -325,16 +324,12 @@ def recurrent_layers(caches_or_state):
 
 
 @pytest.mark.parametrize("capture_path", ["fast", "replay"])
-def test_checkpoint_entry_t_is_mlx_lm_after_t_tokens_of_a_left_padded_batch(
-    model, capture_path, monkeypatch
-):
+def test_checkpoint_entry_t_is_mlx_lm_after_t_tokens_of_a_left_padded_batch(model, capture_path):
     """Rows padded on the left (so the recurrent layers see a mask with False entries):
     entry t of every checkpoint is the array mlx-lm holds after the first t tokens."""
-    if capture_path == "replay":
-        monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
     padding = [2, 0, 3]
     tokens = mx.array([[0] * p + PROMPTS[1][: 7 - p] for p in padding])
-    m = wrap(model)
+    m = wrap(model, record_mixers=capture_path != "replay")
     state = from_mlx_lm(left_padded_caches(model, padding))
     logits, after, checkpoints = m(tokens, state, capture=True)
     ref_logits = model(tokens, cache=left_padded_caches(model, padding))

@@ -380,7 +380,7 @@ def test_ragged_commit_matches_per_row_reference(
 
 def test_mlx_lm_multi_token_mask_bug_is_still_there(model: Any) -> None:
     """mlx-lm 0.32's BatchRotatingKVCache masks a valid entry in a multi-token forward on a
-    rotated ring with padded rows; adapters corrects it (kvstate.adapters._rotating.fixed_make_mask).
+    rotated ring with padded rows; adapters corrects it (kvstate.adapters.caches.compat.fixed_make_mask).
     If this fails, mlx-lm fixed it: drop the correction."""
     prompts = [tokens(20 + n, n) for n in (5, 9, 13)]
     fixed = _merge_caches([prefilled(model, p) for p in prompts])

@@ -17,7 +17,7 @@ import mlx.core as mx
 import kvstate as ks
 from kvstate.adapters.vlm import wrap
 from kvstate.speculative import ModelDrafter, Proposal, Sampler, generate
-from kvstate.speculative import _generate as generate_module
+from kvstate.speculative import _linear_round as round_module
 from kvstate.speculative import _model_drafter as drafter_module
 from kvstate.speculative._replay import commit_may_be_refused
 from tests.helpers import ScriptedDrafter
@@ -59,7 +59,7 @@ def decode(target: Any, prompts: list[list[int]], drafter: Any, k: int) -> list[
 def test_batch_one_with_partly_wrong_drafts_equals_mlx_vlm_greedy(model, k, monkeypatch):
     ref, _ = vlm_generate(model, PROMPT, NEW)
     assert len(set(ref)) >= 8, "a degenerate oracle: the weights should make tokens vary"
-    refused = Counted(monkeypatch, generate_module)
+    refused = Counted(monkeypatch, round_module)
     out = decode(wrap(model), [PROMPT], ScriptedDrafter([ref], 0.6, seed=k), k)
     assert out == [ref]
     assert refused.calls, "no commit was refused: the fallback went untested"
@@ -71,7 +71,7 @@ def test_a_ragged_batch_with_partly_wrong_drafts_equals_mlx_vlm_greedy_per_row(m
     agrees with mlx-vlm's batch), so per-row greedy is no oracle for a deepseek_v4 batch."""
     model = tiny_glm5_next()
     refs = [vlm_generate(model, p, NEW)[0] for p in RAGGED]
-    refused = Counted(monkeypatch, generate_module)
+    refused = Counted(monkeypatch, round_module)
     out = decode(wrap(model), RAGGED, ScriptedDrafter(refs, 0.6, seed=7), 4)
     assert out == refs
     assert any(len(set(kept)) > 1 for kept in refused.calls), refused.calls
@@ -84,7 +84,7 @@ def test_the_decision_does_not_rest_on_the_prompt(model, monkeypatch):
     m = wrap(model)
     assert ks.capabilities(m(mx.array([prompt]), m.init_state())[1]).can_roll_back
     ref, _ = vlm_generate(model, prompt, NEW)
-    refused = Counted(monkeypatch, generate_module)
+    refused = Counted(monkeypatch, round_module)
     assert decode(m, [prompt], ScriptedDrafter([ref], 0.5, seed=1), 4) == [ref]
     assert refused.calls
 

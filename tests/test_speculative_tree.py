@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvstate import StateError, TokenError
+from kvstate import NotSupportedError, TokenError
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.speculative import (
@@ -209,11 +209,11 @@ def test_bad_tree_modes_are_refused():
         ({"tree": "tree"}, [PROMPT], None, "propose_tree"),
     ]
     for kwargs, prompts, drafter, message in cases:
-        with pytest.raises(StateError, match=message):
+        with pytest.raises(NotSupportedError, match=message):
             next(generate(target, prompts, drafter, **kwargs))
     mtp = MTPDrafter.__new__(MTPDrafter)
     mtp.propose_tree = lambda *a: None  # type: ignore[attr-defined]
-    with pytest.raises(StateError, match="hidden states"):
+    with pytest.raises(NotSupportedError, match="hidden states"):
         next(generate(target, [PROMPT], mtp, tree="tree"))
 
 

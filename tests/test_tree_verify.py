@@ -11,9 +11,8 @@ import pytest
 
 import kvstate as ks
 from kvstate._rotating import temporal
-from kvstate.adapters import _buckets as buckets
-from kvstate.adapters import _capture as capture_module
-from kvstate.adapters import wrap
+from kvstate.adapters import wrap, wrap_options
+from kvstate.adapters.instruments import buckets
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.speculative import tree_of_paths, verify_paths, verify_tree
 from kvstate.testing import assert_states_equal, frozen_copy
@@ -181,7 +180,7 @@ def test_bad_trees_are_refused(tokens, parents, error):
 
 def test_bad_states_and_layers_are_refused(monkeypatch):
     _, m, state, truth = prefilled("llama")
-    with pytest.raises(ks.StateError, match="batch-1"):
+    with pytest.raises(ks.NotSupportedError, match="batch-1"):
         verify_tree(m, ks.tile(state, 2), truth[0], [1], [-1])
     with pytest.raises(ks.TokenError, match="outside the vocabulary"):
         verify_tree(m, state, truth[0], [VOCAB], [-1])
@@ -191,8 +190,8 @@ def test_bad_states_and_layers_are_refused(monkeypatch):
     batch = gemma([PROMPT, PROMPT], gemma.init_state(2))[1]
     with pytest.raises(ks.StateError, match="BatchRotatingKVCache"):
         verify_tree(gemma, ks.row_select(batch, 1), 1, [2], [-1])
-    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
-    hybrid = wrap(tiny_model("qwen3_next"))  # its recurrent layer is now one kvstate can't follow
+    # Its recurrent layer is now one kvstate does not record, so a tree cannot follow it.
+    hybrid = wrap(tiny_model("qwen3_next"), record_mixers=False)
     with pytest.raises(ks.StateError, match="not ones kvstate records"):
         verify_tree(hybrid, hybrid(mx.array([PROMPT]), hybrid.init_state())[1], 1, [2], [-1])
 
@@ -242,9 +241,9 @@ def test_bucketed_attention_keeps_the_tree_exact(name, monkeypatch):
     length, its mask extended by False), the tree mask extends the bucketed one: same logits
     at every node, same commit."""
     padded = []
-    monkeypatch.setattr(buckets, "FORCE", True)
-    real = buckets._padded
-    monkeypatch.setattr(buckets, "_padded", lambda *a: padded.append(1) or real(*a))
-    test_every_node_gets_the_logits_of_a_linear_forward_of_its_path(name)
-    test_the_commit_is_a_linear_verify_of_the_chosen_path(name)
+    real = buckets.padded_mask
+    monkeypatch.setattr(buckets, "padded_mask", lambda *a: padded.append(1) or real(*a))
+    with wrap_options(buckets=True):
+        test_every_node_gets_the_logits_of_a_linear_forward_of_its_path(name)
+        test_the_commit_is_a_linear_verify_of_the_chosen_path(name)
     assert padded  # the bucketed masks were made

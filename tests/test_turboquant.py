@@ -21,7 +21,7 @@ from mlx_vlm import turboquant as tq
 from mlx_vlm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters._vlm_turboquant import codecs, side_state
+from kvstate.adapters.caches.vlm.turboquant import codecs, side_state
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 from tests.vlm_helpers import greedy_side_by_side, tiny_vlm
 

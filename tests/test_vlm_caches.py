@@ -26,7 +26,7 @@ from mlx_vlm.models import cache as V
 
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
-from kvstate.adapters._convert import from_cache
+from kvstate.adapters.caches.registry import from_cache
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.adapters.vlm import from_mlx_vlm, to_mlx_vlm
 from kvstate.kinds import record_forward
@@ -307,7 +307,7 @@ def test_batch_rotating_multi_token_mask_is_the_valid_keys(steps):
     is exactly the keys that forward leaves valid (row b: buffer index >= its left padding
     after the update, causal, inside the window). mlx-vlm 0.7.10 copied mlx-lm's mask, which
     hides one valid key of a row that still has padding (steps=1); kvstate corrects it
-    (kvstate.adapters._rotating.fixed_make_mask). If mlx-vlm's own mask passes too, mlx-vlm
+    (kvstate.adapters.caches.compat.fixed_make_mask). If mlx-vlm's own mask passes too, mlx-vlm
     fixed it: drop the correction."""
     cache = batch_rotating(V, steps)
     assert cache.rotated

@@ -12,11 +12,10 @@ import mlx.core as mx
 from mlx_vlm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import _capture as capture_module
-from kvstate.adapters import _forward as forward_module
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB
 from kvstate.adapters.vlm import VLMWrappedModel, from_mlx_vlm
+from kvstate.adapters.wrapped import forward as forward_module
 from kvstate.kinds import config_of
 from tests.helpers import speculate_with_corrupted_oracle
 from tests.vlm_helpers import (
@@ -227,10 +226,11 @@ def test_known_mlx_vlm_mixers_verify_in_one_pass(language_model, monkeypatch):
         def no_replay(*args, **kwargs):
             raise AssertionError("the capturing forward replayed the model")
 
-        patch.setattr(forward_module, "_replay", no_replay)
+        patch.setattr(forward_module, "replay_checkpoints", no_replay)
         logits, after, fast = m(mx.array([draft]), state, capture=True)
-    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
-    slow_logits, _, slow = wrap(language_model)(mx.array([draft]), state, capture=True)
+    slow_logits, _, slow = wrap(language_model, record_mixers=False)(
+        mx.array([draft]), state, capture=True
+    )
     np.testing.assert_allclose(np.array(logits), np.array(slow_logits), **TOL)
     compared = 0
     for layer, one_pass, replayed in zip(after.layers, fast, slow, strict=True):
@@ -267,10 +267,9 @@ def test_mlx_vlm_mamba2_mixers_record_what_replay_gives(name, monkeypatch):
         def no_replay(*args, **kwargs):
             raise AssertionError("the capturing forward replayed the model")
 
-        patch.setattr(forward_module, "_replay", no_replay)
+        patch.setattr(forward_module, "replay_checkpoints", no_replay)
         _, after, fast = m(mx.array([draft]), state, capture=True)
-    monkeypatch.setattr(capture_module, "KNOWN_MIXERS", {})
-    _, _, slow = wrap(model)(mx.array([draft]), state, capture=True)
+    _, _, slow = wrap(model, record_mixers=False)(mx.array([draft]), state, capture=True)
     compared = 0
     pairs = zip(_recurrent_parts(after, fast), _recurrent_parts(after, slow), strict=True)
     for one_pass, replayed in pairs:
@@ -300,7 +299,7 @@ def _recurrent_parts(state: ks.ModelState, checkpoints: tuple) -> list:
 def test_outputs_that_carry_state_outside_the_cache_are_refused():
     from mlx_vlm.models.base import LanguageModelOutput
 
-    from kvstate.adapters._vlm_wrap import logits_of
+    from kvstate.adapters.wrapped.vlm import logits_of
 
     logits = mx.zeros((1, 1, 4))
     assert logits_of(logits) is logits

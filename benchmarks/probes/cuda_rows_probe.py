@@ -16,8 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvstate.adapters import _wrap, wrap
+from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
+from kvstate.adapters.wrapped.tokens import guarded, nan_where
 from kvstate.speculative import ModelDrafter, Sampler, generate
 
 
@@ -75,9 +76,9 @@ def decode_step_ops(rows: int) -> None:
     attempt(f"{rows} rows: raw mlx-lm BatchKVCache one-token step",
             lambda: model(mx.array([[7]] * rows), cache=caches))  # fmt: skip
     ids = mx.full((rows, 1), 7, mx.uint32)
-    attempt(f"{rows} rows: wrap's id guard (compiled)", lambda: _wrap._guarded(ids, 256))
+    attempt(f"{rows} rows: wrap's id guard (compiled)", lambda: guarded(ids, 256))
     attempt(f"{rows} rows: wrap's NaN poisoning (compiled)",
-            lambda: _wrap._nan_where(ids == 0, mx.zeros((rows, 1, 256))))  # fmt: skip
+            lambda: nan_where(ids == 0, mx.zeros((rows, 1, 256))))  # fmt: skip
     m = wrap(model)
     _, state = m(mx.array([[5, 9, 13]] * rows), m.init_state(rows))
     attempt(f"{rows} rows: wrapped one-token step, ids from the host",

@@ -22,8 +22,10 @@ import mlx.core as mx
 from verify import BIG, RawDecoder, WrapDecoder, build, decode_block, random_ids, say
 
 from kvstate import ModelState
-from kvstate.adapters import _wrap, wrap
-from kvstate.adapters._convert import from_cache
+from kvstate.adapters import wrap
+from kvstate.adapters.caches.registry import from_cache
+from kvstate.adapters.wrapped import model as wrapped_model
+from kvstate.adapters.wrapped import tokens as id_checks
 
 
 def guard_by_ops(ids: mx.array, vocab: int) -> tuple[mx.array, mx.array]:
@@ -43,7 +45,7 @@ def poison_by_ops(bad: mx.array, logits: mx.array) -> mx.array:
 class GuardedRawDecoder(RawDecoder):
     """Raw mlx-lm plus wrap's id guard and NaN poisoning (its two extra kernels)."""
 
-    guard, poison = staticmethod(_wrap._guarded), staticmethod(_wrap._nan_where)
+    guard, poison = staticmethod(id_checks.guarded), staticmethod(id_checks.nan_where)
 
     def step(self, y: mx.array) -> mx.array:
         ids, bad = self.guard(y[:, None], self.vocab)
@@ -70,7 +72,7 @@ class UnguardedWrapDecoder(WrapDecoder):
     """wrap with ids trusted (no guard kernel, no poisoning): the rest of wrap's step."""
 
     def __init__(self, m: Any, prompt: mx.array) -> None:
-        m._tokens = lambda tokens, state: (tokens, None)
+        m.checked_tokens = lambda tokens, state: (tokens, None)
         super().__init__(m, prompt)
 
 
@@ -79,12 +81,14 @@ class OpsGuardWrapDecoder(WrapDecoder):
     for its own steps)."""
 
     def step(self, y: mx.array) -> mx.array:
-        saved = _wrap._guarded, _wrap._nan_where
-        _wrap._guarded, _wrap._nan_where = guard_by_ops, poison_by_ops
+        # WrappedModel guards a decode step's ids with its module's `guarded` and poisons
+        # through `tokens.poisoned`, which reads `tokens.nan_where`.
+        saved = wrapped_model.guarded, id_checks.nan_where
+        wrapped_model.guarded, id_checks.nan_where = guard_by_ops, poison_by_ops
         try:
             return super().step(y)
         finally:
-            _wrap._guarded, _wrap._nan_where = saved
+            wrapped_model.guarded, id_checks.nan_where = saved
 
 
 def build_us(decoder: Any, y: mx.array, n: int = 30) -> float:

@@ -22,7 +22,8 @@ import numpy as np
 from verify import BIG, build, copied, prefilled, say
 
 import kvstate as ks
-from kvstate.adapters import _wrap, to_mlx_lm, wrap
+from kvstate.adapters import to_mlx_lm, wrap
+from kvstate.adapters.wrapped.forward import run
 
 
 def rounds(m: Any, base: Any, pattern: Callable[[int], int], k: int, n: int, hold: bool) -> float:
@@ -100,8 +101,8 @@ def main() -> None:
         return m(tokens, state)
 
     def unguarded_step(tokens: mx.array, state: Any) -> tuple[mx.array, Any]:
-        out = _wrap.run(m.model, tokens, state)
-        return out.logits, m._ours(out.state)
+        out = run(m.model, tokens, state)
+        return out.logits, m.adopt(out.state)
 
     say("\n| decode contender | ms / token (median of 5) | / raw |")
     say("|---|---|---|")

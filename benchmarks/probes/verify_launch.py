@@ -8,7 +8,7 @@ build (Python) / launch (`mx.async_eval`) / wait of one forward for: a 1-token s
 (what wrap did on CUDA before the kernel); with attention replaced by a pass-through (a lower
 bound only: MLX then also drops the keys' and values' projections and cache writes, which
 nothing reads); with attention as plain ops; with kvstate's verify attention kernel
-(`adapters/_verify_attention`) patched in; and through wrap's route (kernel or buckets).
+(`adapters/kernels/verify_attention.py`) patched in; and through wrap's route (kernel or buckets).
 Each row prints as it is measured. The kernel's correctness is tests/test_buckets.py's
 (`bash benchmarks/h200.sh kernel-tests`).
 
@@ -31,8 +31,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from verify import BIG
 
-from kvstate.adapters import _buckets as buckets
-from kvstate.adapters._verify_attention import verify_attention
+from kvstate.adapters.instruments import buckets
+from kvstate.adapters.kernels.verify_attention import verify_attention
 from kvstate.adapters.tiny_models import tiny_model
 
 ORIGINAL = llama.scaled_dot_product_attention

@@ -10,10 +10,40 @@
 
 Works on every model kvstate wraps (hybrid and recurrent ones roll back from the verify's
 checkpoints), batched with ragged acceptance, greedy or with exact speculative sampling.
+The target is anything with the `Target` protocol (a wrapped model is one).
+
+A round has four phases: propose (the drafter drafts after each row's last token), verify
+(one forward of the target over the last tokens and the drafts), accept (each row's longest
+prefix of drafts the target agrees with, or exact speculative sampling), commit (each row
+keeps its own prefix: a ragged `commit_prefix` of the target's state, `Drafter.accept` for
+the drafter's). A round with nothing drafted is a plain step (one token per row).
+
+Glossary: the words for a round's counts, used the same way everywhere in this package (row
+b of a batch of B; public names that predate it are given with their meaning here):
+
+- `k`: the most drafts a round may use (`generate(k=...)`).
+- depth: the drafts asked for this round (1 .. k; with `adaptive` it grows after a round
+  whose every row accepted all its drafts, and shrinks after one with none accepted);
+  what `Drafter.propose(last, k, sampler)` gets as its `k`.
+- budget: the drafts the rows can still use: the most tokens any row still wants, minus
+  its next token; a round asks for min(depth, budget) drafts, and none when it is 0.
+- drafted[b]: the drafts row b proposed (`Proposal.counts[b]`; `accept(counts=...)`).
+- span: the drafts verified this round, max(drafted[b]) (a tree: its depth).
+- fed: the verify's input, (B, 1 + span) int32: each row's last token, then its drafts (a
+  tree round: (1, 1 + n), the winning path's n drafts); what `Drafter.accept(fed, kept)`
+  gets.
+- accepted[b]: the drafts of row b the target agreed with, 0 .. drafted[b]
+  (`Verdict.accepted`, `PathVerdict.accepted`, `TreeVerdict.accepted`).
+- kept[b] = accepted[b] + 1: the tokens of `fed` row b keeps in the state (its last token
+  and its accepted drafts); what `commit_prefix(state, kept, checkpoints)` and
+  `Drafter.accept` take.
+- next token (bonus): the target's own token after row b's accepted drafts
+  (`Verdict.next_tokens[b]`): emitted, and in no state yet; the next round's last token.
+- emitted[b]: the tokens row b has put out so far (accepted drafts and next tokens); a row
+  stops at `max_tokens` or after an `eos` token.
 """
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import mlx.core as mx
 
@@ -24,9 +54,12 @@ from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler, Verdict, accept
-from ._tree_verify import TreeVerdict, tree_of_paths, verify_tree
+from ._target import ChainTarget, Target, TreeTarget
+from ._tree_verify import TreeVerdict, verify_tree
+from ._trees import tree_of_paths
 
 __all__ = [
+    "ChainTarget",
     "DraftHead",
     "DraftTree",
     "Drafter",
@@ -36,8 +69,10 @@ __all__ = [
     "PathVerdict",
     "Proposal",
     "Sampler",
+    "Target",
     "Token",
     "TreeDrafter",
+    "TreeTarget",
     "TreeVerdict",
     "Verdict",
     "accept",
@@ -51,7 +86,7 @@ __all__ = [
 
 def speculative_generate_step(
     prompt: Sequence[int],
-    target: Any,
+    target: Target,
     drafter: Drafter | None = None,
     *,
     num_draft_tokens: int = 4,

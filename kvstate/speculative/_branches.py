@@ -7,18 +7,18 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from .._errors import ShapeError
+from .. import ShapeError
 from ._sampling import Sampler
 
 
 class Branches(NamedTuple):
     """A tree proposal of a batch-1 draft state: one draft row per branch."""
 
-    after: Any  # (B rows) after the pending draft, the last token and drafts 1..k-1 of each row
-    paths: list[list[int]]  # the proposed paths (the k drafts of each row worth a branch)
+    after: Any  # (B rows) after the pending draft, the last token and drafts 1..depth-1
+    paths: list[list[int]]  # the proposed paths (the depth drafts of each row worth a branch)
     rows: list[int]  # the draft row of each path
     pending: mx.array | None  # (1, 1) the last round's kept final draft, fed first
-    k: int
+    depth: int  # the drafts of each path
 
 
 def first_picks(
@@ -44,5 +44,5 @@ def first_picks(
 
 def matching_path(branches: Branches, drafts: list[int]) -> int | None:
     """The first proposed path that starts with `drafts` (the kept ones), or None."""
-    width = len(drafts)
-    return next((i for i, p in enumerate(branches.paths) if p[:width] == drafts), None)
+    n = len(drafts)
+    return next((i for i, p in enumerate(branches.paths) if p[:n] == drafts), None)

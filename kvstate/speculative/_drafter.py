@@ -7,7 +7,7 @@ that it can roll its own state forward or back with the same transforms the targ
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
 
@@ -17,10 +17,11 @@ from ._sampling import Sampler
 class Proposal(NamedTuple):
     """What a drafter proposes for each row of the batch.
 
-    tokens: (B, k) int32 drafts, following each row's last token; positions past `counts[b]`
-        are filler the generator never accepts.
-    counts: drafts worth verifying per row (0 .. k); all zero means "take a plain step".
-    probs: (B, k, vocab) float32, the distribution each draft was drawn from (after the same
+    tokens: (B, depth) int32 drafts, following each row's last token; positions past
+        `counts[b]` are filler the generator never accepts.
+    counts: drafted[b], the drafts worth verifying in row b (0 .. depth); all zero means
+        "take a plain step".
+    probs: (B, depth, vocab) float32, the distribution each draft was drawn from (after the same
         sampler transforms as the target's), or None for drafts chosen deterministically (an
         n-gram lookup, greedy drafting): exact speculative sampling then treats each draft as
         drawn from a point mass.
@@ -41,23 +42,29 @@ class DraftTree(NamedTuple):
 
 
 class Drafter(Protocol):
-    """Optional: a drafter with a true `uses_hidden` attribute (MTP-style heads) gets the
-    target's final hidden states as a keyword, `start(prompts, hidden=[(1, L, D) per
-    prompt])` and `accept(fed, kept, hidden=(B, w, D) over fed)`; the target then runs with
-    `hidden=True`. Other drafters are called exactly as below."""
+    """What proposes drafts for every row of the generator's batch (the words are the
+    package glossary's: `kvstate.speculative`)."""
+
+    uses_hidden: bool
+    """True for drafters fed the target's final hidden states (MTP-style heads): they get
+    them as a keyword, `start(prompts, hidden=[(1, L, D) per prompt])` and `accept(fed,
+    kept, hidden=(B, 1 + span, D) over fed)`, and the target then runs with `hidden=True`.
+    Other drafters are called exactly as below (a drafter without the attribute counts as
+    False)."""
 
     def start(self, prompts: list[list[int]]) -> None:
         """The generator prefilled these prompts (one per row) into the target."""
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        """Up to `k` drafts per row, following each row's `last` token (which no state holds
-        yet). Sample with `sampler` (its `probs` and `sample`) so the drafts' distribution is
-        the one the target's acceptance rule compares against."""
+        """Up to `k` drafts per row (this round's depth), following each row's `last` token
+        (which no state holds yet). Sample with `sampler` (its `probs` and `sample`) so the
+        drafts' distribution is the one the target's acceptance rule compares against."""
         ...
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
-        """The target verified `fed` (B, w): each row's last token and its drafts, and kept
-        the first `kept[b]` of row b (the last token and the accepted drafts)."""
+        """The target verified `fed` (B, 1 + span): each row's last token and its drafts,
+        and kept the first `kept[b]` = accepted[b] + 1 of row b (the last token and the
+        accepted drafts)."""
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows stay in the batch (the others finished), in this order."""
@@ -78,7 +85,12 @@ class TreeDrafter(Protocol):
         ...
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
-        """`fed` (1, 1 + depth): the last token and the winning path's drafts (rejected ones
-        included); `kept` [accepted + 1]."""
+        """`fed` (1, 1 + the winning path's drafts): the last token and the winning path's
+        drafts (rejected ones included); `kept` [accepted + 1]."""
 
     def keep_rows(self, rows: list[int]) -> None: ...
+
+
+def uses_hidden(drafter: Any) -> bool:
+    """`drafter.uses_hidden` (see `Drafter`), False for a drafter without it (or None)."""
+    return bool(getattr(drafter, "uses_hidden", False))

@@ -25,26 +25,29 @@ def logprobs_of(logits: mx.array) -> mx.array:
 
 
 def cut(tokens: list[Token], emitted: int, max_tokens: int, eos: Sequence[int]) -> list[Token]:
-    """A row's tokens of one round, up to its budget and through its first eos."""
-    kept = tokens[: max_tokens - emitted]
-    for j, t in enumerate(kept):
+    """A row's tokens of one round, after `emitted` so far: up to `max_tokens` in all and
+    through its first eos."""
+    within = tokens[: max_tokens - emitted]
+    for j, t in enumerate(within):
         if t.token in eos:
-            return kept[: j + 1]
-    return kept
+            return within[: j + 1]
+    return within
 
 
 def finish(
     tokens: list[Token],
-    counts: list[int],
+    emitted: list[int],
     max_tokens: int,
     eos: Sequence[int],
     rows: list[int] | None = None,
 ) -> list[bool]:
-    """Count each row's emitted tokens; which rows are done (budget reached or eos)."""
+    """Add the round's `tokens` to `emitted[b]` (row b's tokens out so far, b the position
+    of the row in `rows`: its prompt index when None); which rows are done (`max_tokens`
+    reached, or eos)."""
     position = {row: i for i, row in enumerate(rows)} if rows is not None else None
-    done = [False] * len(counts)
+    done = [False] * len(emitted)
     for t in tokens:
         i = position[t.row] if position is not None else t.row
-        counts[i] += 1
+        emitted[i] += 1
         done[i] = done[i] or t.token in eos
-    return [d or c >= max_tokens for d, c in zip(done, counts, strict=True)]
+    return [d or e >= max_tokens for d, e in zip(done, emitted, strict=True)]

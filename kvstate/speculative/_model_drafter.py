@@ -6,10 +6,12 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from .._dense import DenseKV
-from .._errors import CommitError, ShapeError, StateError, TokenError
-from .._ints import as_int
-from .._transforms import (
+from .. import (
+    CommitError,
+    NotSupportedError,
+    ShapeError,
+    StateError,
+    TokenError,
     batch_size,
     capabilities,
     commit_prefix,
@@ -17,44 +19,36 @@ from .._transforms import (
     row_select,
     tile,
 )
-from .._trust import inherit
-from ..kinds import Composite, replace, with_parts
+from ..kinds import Composite, as_int, inherit, replace, with_parts
 from ._branches import Branches, first_picks, matching_path
 from ._drafter import DraftTree, Proposal
-from ._plain import draw
 from ._prefill import prefill
 from ._replay import run_kept
-from ._sampling import Sampler
-from ._tree_verify import tree_of_paths
-
-# Kinds whose commit only moves the end of the buffer back (`length` -= rejected): the
-# entries k one-token forwards wrote sit exactly where one k-token forward writes them, so
-# k forwards stamped as one (`appended`) roll back with one `commit_prefix`. Windows
-# are left out (their rollback rebuilds from the layout one multi-token forward leaves, and
-# one-token forwards overwrite ring slots), so are recurrent arrays (they need checkpoints)
-# and the kinds no draft model's `make_cache` gives here (quantized, chunked).
-_TRIMMED_KINDS = (DenseKV,)
+from ._sampling import Sampler, draw
+from ._target import Abilities, Pick, Target
+from ._trees import tree_of_paths
 
 
 def rolls_back_by_trim(state: Any) -> bool:
-    """Whether every part of `state` is a KV kind whose rollback is a trim of its end."""
-    if isinstance(state, Composite):  # a model's layers, a layer of several caches
-        return all(rolls_back_by_trim(p) for p in state.parts)
-    return isinstance(state, _TRIMMED_KINDS)
+    """Whether the draft model's one-token forwards from `state` roll back as one forward
+    (`Capabilities.joinable_forwards`, every part: dense KV caches; not windows, whose
+    rollback rebuilds from the layout one multi-token forward leaves while one-token forwards
+    overwrite ring slots, nor recurrent arrays, which need checkpoints)."""
+    return capabilities(state).joinable_forwards
 
 
 class _Proposed(NamedTuple):
     before: Any  # the state the proposal started from (None where nothing rolls back to it)
-    after: Any  # after the pending draft, the last token and drafts 1..k-1
-    final_draft: mx.array  # (B, 1) draft k, never fed
+    after: Any  # after the pending draft, the last token and drafts 1..depth-1
+    final_draft: mx.array  # (B, 1) the last draft, never fed
     pending: mx.array | None  # (B, 1) the last round's kept final draft, fed first
-    k: int
+    depth: int  # the drafts proposed per row
 
     @property
-    def fed(self) -> int:
-        """Tokens the proposal's forwards fed: the pending draft, the last token and drafts
-        1..k-1."""
-        return self.k + (self.pending is not None)
+    def ran(self) -> int:
+        """Tokens the proposal's forwards ran: the pending draft, the last token and drafts
+        1..depth-1."""
+        return self.depth + (self.pending is not None)
 
 
 class ModelDrafter:
@@ -80,20 +74,24 @@ class ModelDrafter:
     more steps in one batched run over the draft state tiled to one row per branch; after
     the verify the winning branch's row is kept and rolled back as above.
 
-    `draft`: a wrapped model (`kvstate.adapters.wrap(model)`). `pipelined`: evaluate each
+    `draft`: a wrapped model (`kvstate.adapters.wrap(model)`), or any `Target`; with
+    `chain` (a `ChainTarget`) its steps run on its own caches. `pipelined`: evaluate each
     draft token asynchronously as soon as its forward is built, so the device computes step
     i while the host builds step i + 1 (mlx-lm's `async_eval` loop); None: on a GPU only.
     On MLX's CPU backend the hand-off costs more than it overlaps (measured on 2 cores:
     benchmarks/speculative.py), so the round's drafts and verify are evaluated together.
     """
 
+    uses_hidden = False
+
     def __init__(
-        self, draft: Any, seed: int = 0, *, pipelined: bool | None = None, branches: int = 3
+        self, draft: Target, seed: int = 0, *, pipelined: bool | None = None, branches: int = 3
     ) -> None:
         self.branches = as_int(branches, "ModelDrafter: branches", StateError)
         if self.branches < 1:
             raise StateError(f"ModelDrafter: branches must be an int >= 1; got {branches!r}")
         self.draft = draft
+        self._chain = Abilities.of(draft).chain  # a wrapped model's steps on its caches
         self.pipelined = mx.default_device().type == mx.gpu if pipelined is None else pipelined
         self.key = mx.random.key(seed)
         self.state: Any = None  # holds every token the target kept, but `pending`
@@ -133,7 +131,7 @@ class ModelDrafter:
         # over to the draft forwards.
         handed_over = bool(self._trims) and len(last) == 1
         before = None if handed_over else self.state
-        chain = getattr(self.draft, "chain", None)  # a wrapped model's steps on its caches
+        chain = self._chain
         if chain is not None:
             _, drafted, after = chain(y, self._take_state() if handed_over else before, k, pick)
         else:
@@ -158,9 +156,9 @@ class ModelDrafter:
             proposal = branch
         self._proposal, self.pending = None, None
         uniform = len(set(kept)) == 1
-        if proposal is not None and uniform and kept[0] >= proposal.k:
+        if proposal is not None and uniform and kept[0] >= proposal.depth:
             self.state = proposal.after
-            if kept[0] == proposal.k + 1:
+            if kept[0] == proposal.depth + 1:
                 self.pending = proposal.final_draft
             return
         if self._trims and proposal is not None and _trims_to(proposal, kept, uniform):
@@ -176,7 +174,7 @@ class ModelDrafter:
             raise StateError("ModelDrafter.propose_tree: call start(prompts) first")
         rows = batch_size(self.state)
         if rows != 1:
-            raise StateError(
+            raise NotSupportedError(
                 f"ModelDrafter.propose_tree: tree drafting takes one row; the draft state has "
                 f"{rows} (use propose for a batch, or generate one prompt at a time)"
             )
@@ -209,7 +207,7 @@ class ModelDrafter:
         # The state before stays whole (tile copies it): what a re-run rolls back to.
         tiled = tile(self.state, branches)
         ys = mx.repeat(y, branches, axis=0)
-        chain = getattr(self.draft, "chain", None)
+        chain = self._chain
         if chain is not None:
             _, drafted, after = chain(ys, tiled, k, pick)
         else:
@@ -247,14 +245,16 @@ class ModelDrafter:
             self.pending = self.pending[mx.array(rows)]
 
 
-def _drafted_by_calls(draft: Any, y: mx.array, state: Any, k: int, pick: Any) -> tuple[Any, Any]:
-    """A draft model without `chain`: k wrapped calls, each fed the last one's pick."""
+def _drafted_by_calls(
+    draft: Target, y: mx.array, state: Any, depth: int, pick: Pick
+) -> tuple[Any, Any]:
+    """A draft model without `chain`: `depth` wrapped calls, each fed the last one's pick."""
     tokens = []
-    for _ in range(k):
+    for _ in range(depth):
         logits, state = draft(y, state)
         y = pick(logits[:, -1])
         tokens.append(y)
-    return (tokens[0] if k == 1 else mx.concatenate(tokens, axis=1)), state
+    return (tokens[0] if depth == 1 else mx.concatenate(tokens, axis=1)), state
 
 
 def _kept_branch(proposal: Branches, fed: mx.array, kept: list[int]) -> _Proposed | None:
@@ -266,10 +266,10 @@ def _kept_branch(proposal: Branches, fed: mx.array, kept: list[int]) -> _Propose
             f"ModelDrafter.accept: a tree proposal takes one row; got fed {fed.shape}, kept {kept}"
         )
     n = as_int(kept[0], "ModelDrafter.accept: kept", StateError)
-    if not 1 <= n <= min(fed.shape[1], proposal.k + 1):
+    if not 1 <= n <= min(fed.shape[1], proposal.depth + 1):
         raise StateError(
             f"ModelDrafter.accept: kept {n} of {fed.shape[1]} fed tokens after a depth-"
-            f"{proposal.k} tree; it must be 1 .. {min(fed.shape[1], proposal.k + 1)}"
+            f"{proposal.depth} tree; it must be 1 .. {min(fed.shape[1], proposal.depth + 1)}"
         )
     path = matching_path(proposal, cast(list[int], fed[0, 1:n].tolist()))
     if path is None:
@@ -279,22 +279,23 @@ def _kept_branch(proposal: Branches, fed: mx.array, kept: list[int]) -> _Propose
         row_select(proposal.after, proposal.rows[path]),
         mx.array([[proposal.paths[path][-1]]], mx.int32),
         proposal.pending,
-        proposal.k,
+        proposal.depth,
     )
 
 
 def _trims_to(proposal: _Proposed, kept: list[int], uniform: bool) -> bool:
     """Whether a trim of the proposing state gives these counts: no row kept the final
     draft (never fed), and ragged counts only where the kinds take them."""
-    if max(kept) > proposal.k:
+    if max(kept) > proposal.depth:
         return False
     return uniform or capabilities(proposal.after).ragged_commit
 
 
 def _stamped(state: Any, n: int) -> Any:
-    """A state of dense KV parts as if its last `n` tokens came from one forward: what
-    `kinds.record_forward` does for a `DenseKV` (its record is `appended` alone, so the state
-    before is not needed)."""
+    """A state whose parts have joinable forwards (`Capabilities.joinable_forwards`) as if
+    its last `n` tokens came from one forward: such a kind records a forward by its
+    `appended` alone (what `kinds.record_forward` does for it), so no state before is
+    needed."""
     if isinstance(state, Composite):
         return with_parts(state, tuple(_stamped(p, n) for p in state.parts))
     return replace(state, appended=n)
@@ -302,9 +303,9 @@ def _stamped(state: Any, n: int) -> Any:
 
 def _trimmed(proposal: _Proposed, kept: list[int]) -> Any:
     """The proposing state rolled back to the state before it plus each row's kept tokens:
-    the proposal's forwards (prefix + k tokens) stamped as one, then one commit."""
+    the proposal's forwards (prefix + depth tokens) stamped as one, then one commit."""
     # The stamp keeps every layer's kind and configuration, so the states the draft model
     # already trusts stay trusted (its next forward skips the fit check).
-    stamped = inherit(_stamped(proposal.after, proposal.fed), proposal.after)
-    prefix = proposal.fed - proposal.k
+    stamped = inherit(_stamped(proposal.after, proposal.ran), proposal.after)
+    prefix = proposal.ran - proposal.depth
     return commit_prefix(stamped, [prefix + n for n in kept])

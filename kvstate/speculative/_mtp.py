@@ -14,8 +14,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .._errors import StateError
-from .._transforms import commit_prefix, filter, merge
+from .. import StateError, commit_prefix, filter, merge
 from ._drafter import Proposal
 from ._sampling import Sampler
 
@@ -91,28 +90,29 @@ class MTPDrafter:
         return Proposal(drafted, [k] * len(last), distributions)
 
     def accept(self, fed: mx.array, kept: list[int], hidden: mx.array | None = None) -> None:
-        """`hidden`: the target's hidden states (B, w, D) over `fed` (B, w)."""
+        """`hidden`: the target's hidden states (B, 1 + span, D) over `fed` (B, 1 + span)."""
         if hidden is None or self.pending is None:
             raise StateError("MTPDrafter.accept: needs the target's hidden states over `fed`")
-        width = fed.shape[1]
+        n = fed.shape[1]
+        # behind[b]: the kept tokens row b's head state has yet to see.
         if self._first_step is not None:  # (pending, last) is in it: the drafts remain
-            state, counts = self._first_step, [n - 1 for n in kept]
-            inputs, tokens = hidden[:, : width - 1], fed[:, 1:]
+            state, behind = self._first_step, [c - 1 for c in kept]
+            inputs, tokens = hidden[:, : n - 1], fed[:, 1:]
         else:  # a round without a proposal (a plain step)
-            state, counts = self.state, kept
-            inputs = mx.concatenate([self.pending, hidden[:, : width - 1]], axis=1)
+            state, behind = self.state, kept
+            inputs = mx.concatenate([self.pending, hidden[:, : n - 1]], axis=1)
             tokens = fed
         self._first_step = None
-        span = max(counts)
-        if span > 0 and len(set(counts)) == 1:
-            state = self.head(inputs[:, :span], tokens[:, :span], state)[2]
-        elif span > 0:
+        most = max(behind)
+        if most > 0 and len(set(behind)) == 1:
+            state = self.head(inputs[:, :most], tokens[:, :most], state)[2]
+        elif most > 0:
             _, _, verified, checkpoints = self.head(
-                inputs[:, :span], tokens[:, :span], state, capture=True
+                inputs[:, :most], tokens[:, :most], state, capture=True
             )
-            state = commit_prefix(verified, counts, checkpoints)
+            state = commit_prefix(verified, behind, checkpoints)  # each row's kept tokens
         self.state = state
-        at = mx.array([n - 1 for n in kept])[:, None, None]
+        at = mx.array([c - 1 for c in kept])[:, None, None]
         self.pending = mx.take_along_axis(hidden, at, axis=1)
 
     def keep_rows(self, rows: list[int]) -> None:

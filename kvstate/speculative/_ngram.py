@@ -7,9 +7,10 @@ from typing import cast
 
 import mlx.core as mx
 
+from .. import StateError
 from ._drafter import DraftTree, Proposal
 from ._sampling import Sampler
-from ._tree_verify import tree_of_paths
+from ._trees import tree_of_paths
 
 
 class NGramDrafter:
@@ -26,11 +27,13 @@ class NGramDrafter:
     context's length.
     """
 
+    uses_hidden = False
+
     def __init__(self, max_n: int = 3, min_n: int = 1, *, branches: int = 3) -> None:
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"NGramDrafter: need 1 <= min_n <= max_n; got {min_n}, {max_n}")
+            raise StateError(f"NGramDrafter: need 1 <= min_n <= max_n; got {min_n}, {max_n}")
         if branches < 1:
-            raise ValueError(f"NGramDrafter: branches must be >= 1; got {branches}")
+            raise StateError(f"NGramDrafter: branches must be >= 1; got {branches}")
         self.max_n, self.min_n, self.branches = max_n, min_n, branches
         self.history: list[list[int]] = []
         self.index: list[dict[tuple[int, ...], list[int]]] = []

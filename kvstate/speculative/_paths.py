@@ -15,13 +15,11 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from .. import distributed
-from .._errors import StateError, TokenError
-from .._transforms import batch_size, commit_prefix, row_select, tile
-from .._tree import tree_map
+from .. import TokenError, commit_prefix, distributed, row_select, tile, tree_map
 from ._sampling import Sampler
+from ._target import Target
 from ._tree_accept import sample_tree, sampling_of
-from ._tree_verify import tree_of_paths
+from ._trees import require_one_row, tree_of_paths
 
 
 class PathVerdict(NamedTuple):
@@ -33,7 +31,7 @@ class PathVerdict(NamedTuple):
 
 
 def verify_paths(
-    target: Any,
+    target: Target,
     state: Any,
     last: int,
     paths: Sequence[Sequence[int]],
@@ -46,49 +44,47 @@ def verify_paths(
     copies of the state while it runs). Greedy (no sampler, or a greedy one): the longest
     agreeing prefix wins. With a sampler: exact speculative sampling over the paths' trie,
     drawing from `key` (the global PRNG if None)."""
-    if batch_size(state) != 1:
-        raise StateError(f"verify_paths: takes a batch-1 state; got {batch_size(state)} rows")
+    require_one_row(state, "verify_paths")
     if not paths or any(len(p) == 0 for p in paths):
         raise TokenError("verify_paths: give at least one path, each with at least one draft")
     sampling = sampling_of(sampler, key, "verify_paths")
-    width = max(len(p) for p in paths)
-    rows = [[last, *p, *[0] * (width - len(p))] for p in paths]
+    span = max(len(p) for p in paths)
+    rows = [[last, *p, *[0] * (span - len(p))] for p in paths]
     logits, verified, checkpoints = target(
         mx.array(rows, mx.int32), tile(state, len(paths)), capture=True
     )
     group = distributed.group_of(target)  # a split model: every rank must pick the same path
     if sampling is None:
-        winner, count, follow = _greedy(logits, rows, paths, group)
+        winner, accepted, follow = _greedy(logits, rows, paths, group)
     else:
-        winner, count, follow = _sampled(logits, paths, sampling, key)
+        winner, accepted, follow = _sampled(logits, paths, sampling, key)
         if group is not None:
-            winner, count, follow = distributed.agree(
-                [winner, count, follow], group, what="verify_paths: the sampled path"
+            winner, accepted, follow = distributed.agree(
+                [winner, accepted, follow], group, what="verify_paths: the sampled path"
             )
     chosen = row_select(verified, winner)
     picked = tree_map(lambda c: c[winner : winner + 1], checkpoints)
-    kept = commit_prefix(chosen, count + 1, picked)
-    emitted = [*paths[winner][:count], follow]
-    return PathVerdict(winner, count, emitted, kept, logits[winner, : count + 1])
+    committed = commit_prefix(chosen, accepted + 1, picked)  # kept: the last token too
+    emitted = [*paths[winner][:accepted], follow]
+    return PathVerdict(winner, accepted, emitted, committed, logits[winner, : accepted + 1])
 
 
 def _greedy(
     logits: mx.array, rows: list[list[int]], paths: Sequence[Sequence[int]], group: Any
 ) -> tuple[int, int, int]:
     """(winner, accepted, next token): the first of the longest agreeing prefixes."""
-    width = len(rows[0]) - 1
-    best = logits.argmax(-1)  # (P, width + 1): the target's pick after each input token
+    span = len(rows[0]) - 1  # the longest path's drafts
+    best = logits.argmax(-1)  # (P, span + 1): the target's pick after each input token
     drafts = mx.array(rows, mx.int32)[:, 1:]
     lengths = mx.array([len(p) for p in paths])
-    agree = (best[:, :width] == drafts) & (mx.arange(width)[None] < lengths[:, None])
-    accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(1)
-    counts = cast(list[int], accepted.tolist())
+    agree = (best[:, :span] == drafts) & (mx.arange(span)[None] < lengths[:, None])
+    agreed = mx.cumprod(agree.astype(mx.int32), axis=1).sum(1)
+    accepted = cast(list[int], agreed.tolist())  # per path
     if group is not None:
-        counts = distributed.agree(counts, group, what="verify_paths: the accepted counts")
-    winner = max(range(len(paths)), key=lambda p: counts[p])  # the first of the longest
-    count = counts[winner]
+        accepted = distributed.agree(accepted, group, what="verify_paths: the accepted counts")
+    winner = max(range(len(paths)), key=lambda p: accepted[p])  # the first of the longest
     follow = cast(list[int], best[winner].tolist())
-    return winner, count, follow[count]
+    return winner, accepted[winner], follow[accepted[winner]]
 
 
 def _sampled(

@@ -9,25 +9,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from .._transforms import filter
-from .._tree import host_ints
+from .. import filter
 from ..distributed import agree
+from ..kinds import host_ints
 from ._emit import Token, logprobs_of
 from ._prefill import prefill
-from ._sampling import Sampler
-
-
-def draw(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
-    """One token per row of `logits` (B, vocab), unevaluated, and the key for the next pick
-    (greedy: the argmax, with no distribution built and no key used)."""
-    if sampler.greedy:
-        return key, logits.argmax(-1)
-    key, sub = mx.random.split(key)
-    return key, sampler.sample(sampler.probs(logits), sub)
+from ._sampling import Sampler, draw
+from ._target import Target
 
 
 def decode(
-    target: Any,
+    target: Target,
     prompts: Sequence[Sequence[int]],
     *,
     max_tokens: int,

@@ -9,17 +9,15 @@ right-padded row (its own prepare / finalize give the same: BENCHMARKS.md, Findi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import mlx.core as mx
 
-from .._composite import ModelState
-from .._transforms import merge
-from .._tree import tree_leaves
+from .. import ModelState, merge, tree_flatten
+from ._target import Target
 
 
 def prefill(
-    model: Any, prompts: Sequence[Sequence[int]], hidden: bool = False
+    model: Target, prompts: Sequence[Sequence[int]], hidden: bool = False
 ) -> tuple[mx.array, ModelState, list[mx.array]]:
     """Run `prompts` through the wrapped `model` from empty states: each row's last logits
     (B, vocab), the batched state, and with `hidden` each prompt's final hidden states
@@ -36,5 +34,5 @@ def prefill(
         lasts.append(logits[:, -1])
         states.append(state)
         hiddens += seen
-        mx.async_eval(lasts[-1], *seen, *tree_leaves(state))
+        mx.async_eval(lasts[-1], *seen, *tree_flatten(state)[0])
     return mx.concatenate(lasts), merge(states), hiddens

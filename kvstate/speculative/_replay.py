@@ -7,8 +7,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .._transforms import capabilities, extract, merge
+from .. import capabilities, extract, merge
 from ..kinds import Composite
+from ._target import Target
 
 
 def commit_may_be_refused(state: Any) -> bool:
@@ -22,7 +23,7 @@ def commit_may_be_refused(state: Any) -> bool:
     return not caps.can_roll_back or not (caps.trimmable or caps.needs_checkpoints)
 
 
-def run_kept(model: Any, before: Any, tokens: mx.array, kept: list[int]) -> Any:
+def run_kept(model: Target, before: Any, tokens: mx.array, kept: list[int]) -> Any:
     """`before` (the state a forward of `tokens` (B, T) started from) advanced by each row's
     first `kept[b]` tokens, through `model`: what decoding only those tokens gives.
 
@@ -34,5 +35,5 @@ def run_kept(model: Any, before: Any, tokens: mx.array, kept: list[int]) -> Any:
     return merge(rows)
 
 
-def _advanced(model: Any, state: Any, tokens: mx.array) -> Any:
+def _advanced(model: Target, state: Any, tokens: mx.array) -> Any:
     return model(tokens, state)[1] if tokens.shape[1] else state

@@ -15,7 +15,7 @@ from typing import NamedTuple, cast
 import attrs
 import mlx.core as mx
 
-from .._errors import StateError
+from .. import StateError
 
 
 @attrs.frozen
@@ -72,9 +72,33 @@ class Sampler:
         return mx.random.categorical(mx.log(probs), key=key).astype(mx.int32)
 
 
+def round_key(sampler: Sampler, key: mx.array) -> tuple[mx.array, mx.array | None]:
+    """(the generator's next key, the key of this draw): a greedy draw uses no key (None)
+    and leaves `key` as it is."""
+    if sampler.greedy:
+        return key, None
+    key, sub = mx.random.split(key)
+    return key, sub
+
+
+def pick(sampler: Sampler, logits: mx.array, key: mx.array | None) -> mx.array:
+    """One token per row of `logits` (B, vocab), unevaluated (greedy: the argmax, with no
+    distribution built and no key used)."""
+    if sampler.greedy:
+        return logits.argmax(-1)
+    return sampler.sample(sampler.probs(logits), key)
+
+
+def draw(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """One token per row of `logits` (B, vocab), unevaluated, and the key for the next pick
+    (greedy: the argmax, with no distribution built and no key used)."""
+    key, sub = round_key(sampler, key)
+    return key, pick(sampler, logits, sub)
+
+
 class Verdict(NamedTuple):
-    accepted: list[int]  # drafts accepted per row
-    next_tokens: list[int]  # the token each row emits after its accepted drafts
+    accepted: list[int]  # accepted[b]: the drafts row b's target agreed with
+    next_tokens: list[int]  # row b's next (bonus) token, after its accepted drafts
 
 
 def accept(
@@ -87,16 +111,17 @@ def accept(
 ) -> Verdict:
     """The acceptance rule over a batch.
 
-    target: (B, w+1, V) the target's sampling distributions after its last token and after
-    each of the w drafts; drafts: (B, w) int; draft_probs: (B, w, V) or None (point masses);
-    counts: drafts that count per row (<= w). One host sync for the whole batch.
+    target: (B, span+1, V) the target's sampling distributions after its last token and
+    after each of the span drafts; drafts: (B, span) int; draft_probs: (B, span, V) or None
+    (point masses); counts: drafted[b], the drafts that count in row b (<= span). One host
+    sync for the whole batch.
     """
-    width = drafts.shape[1]
+    span = drafts.shape[1]
     if sampler.greedy:
         return accept_greedy(target, drafts, counts)
-    valid = mx.arange(width)[None] < mx.array(counts)[:, None]
+    valid = mx.arange(span)[None] < mx.array(counts)[:, None]
     keys = mx.random.split(key, 2) if key is not None else (None, None)
-    p_draft = mx.take_along_axis(target[:, :width], drafts[..., None], axis=-1)[..., 0]
+    p_draft = mx.take_along_axis(target[:, :span], drafts[..., None], axis=-1)[..., 0]
     if draft_probs is None:
         q_draft = mx.ones_like(p_draft)
     else:
@@ -108,8 +133,8 @@ def accept(
     at = accepted[:, None, None]
     p = mx.take_along_axis(target, at, axis=1)[:, 0]
     if draft_probs is None:
-        drafted = mx.take_along_axis(drafts, mx.minimum(accepted, width - 1)[:, None], axis=1)
-        q = (mx.arange(p.shape[-1])[None] == drafted).astype(p.dtype)
+        at_draft = mx.take_along_axis(drafts, mx.minimum(accepted, span - 1)[:, None], axis=1)
+        q = (mx.arange(p.shape[-1])[None] == at_draft).astype(p.dtype)
     else:
         padded = mx.concatenate([draft_probs, mx.zeros_like(draft_probs[:, :1])], axis=1)
         q = mx.take_along_axis(padded, at, axis=1)[:, 0]
@@ -123,23 +148,24 @@ def accept(
     return _verdict(mx.concatenate([accepted[:, None], next_tokens[:, None]], axis=1))
 
 
-def accept_greedy(scores: mx.array, drafts: mx.array, counts: list[int]) -> Verdict:
-    """Greedy acceptance straight from `scores` (B, w+1, V): logits, or any distribution
+def accept_greedy(scores: mx.array, drafts: mx.array, drafted: list[int]) -> Verdict:
+    """Greedy acceptance straight from `scores` (B, span+1, V): logits, or any distribution
     whose argmax is the target's pick. A draft is accepted while it is the target's argmax.
     One host sync for the whole batch."""
-    rows = greedy_picks(scores, drafts, counts)
+    rows = greedy_picks(scores, drafts, drafted)
     return Verdict([r[0] for r in rows], [r[1 + r[0]] for r in rows])
 
 
-def greedy_picks(scores: mx.array, drafts: mx.array, counts: list[int]) -> list[list[int]]:
-    """Per row `[accepted, pick_0 .. pick_w]`: the drafts accepted (while each is the target's
-    argmax `pick`) and the target's picks after the last token and each draft, in one host
-    read. The row's emitted tokens are picks 0..accepted (the accepted drafts are picks)."""
-    width = drafts.shape[1]
-    picks = scores.argmax(-1).astype(mx.int32)  # (B, w+1)
-    ok = picks[:, :width] == drafts
-    if min(counts) < width:  # filler past a row's count is never accepted
-        ok = ok & (mx.arange(width)[None] < mx.array(counts)[:, None])
+def greedy_picks(scores: mx.array, drafts: mx.array, drafted: list[int]) -> list[list[int]]:
+    """Per row `[accepted, pick_0 .. pick_span]`: the drafts accepted (while each is the
+    target's argmax `pick`) and the target's picks after the last token and each draft, in
+    one host read. The row's emitted tokens are picks 0..accepted (the accepted drafts are
+    picks). `drafted[b]`: the drafts that count in row b."""
+    span = drafts.shape[1]
+    picks = scores.argmax(-1).astype(mx.int32)  # (B, span+1)
+    ok = picks[:, :span] == drafts
+    if min(drafted) < span:  # filler past a row's drafts is never accepted
+        ok = ok & (mx.arange(span)[None] < mx.array(drafted)[:, None])
     accepted = mx.cumprod(ok, axis=1).sum(1, keepdims=True)  # (B, 1) int32
     return cast(list[list[int]], mx.concatenate([accepted, picks], axis=1).tolist())
 

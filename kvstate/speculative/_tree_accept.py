@@ -34,7 +34,7 @@ from typing import NamedTuple, cast
 
 import mlx.core as mx
 
-from .._errors import StateError
+from .. import StateError
 from ._sampling import Sampler
 
 

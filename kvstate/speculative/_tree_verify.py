@@ -23,12 +23,13 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from .._errors import StateError, TokenError
-from .._ints import as_int, as_ints
-from .._transforms import batch_size
+from .. import NotSupportedError, TokenError
+from ..kinds import as_int
 from ._sampling import Sampler
+from ._target import Abilities, Target
 from ._tree_accept import sample_tree, sampling_of
 from ._tree_commit import commit_path
+from ._trees import checked_tree, path_to, require_one_row
 
 
 class TreeVerdict(NamedTuple):
@@ -40,7 +41,7 @@ class TreeVerdict(NamedTuple):
 
 
 def verify_tree(
-    target: Any,
+    target: Target,
     state: Any,
     last: int,
     tokens: Sequence[int],
@@ -54,15 +55,14 @@ def verify_tree(
     forward of 1 + len(tokens) tokens over one copy of the state. Greedy (no sampler, or a
     greedy one): the longest path the target agrees with wins. With a sampler: exact
     speculative sampling over the tree, drawing from `key` (the global PRNG if None).
-    `target` is a wrapped model (`tree_forward`)."""
-    if batch_size(state) != 1:
-        raise StateError(f"verify_tree: takes a batch-1 state; got {batch_size(state)} rows")
+    `target` needs `tree_forward` (a `TreeTarget`: a wrapped model)."""
+    require_one_row(state, "verify_tree")
     drafts, links = checked_tree(tokens, parents)
     sampling = sampling_of(sampler, key, "verify_tree")
     last = as_int(last, "verify_tree: last", TokenError)
-    forward = getattr(target, "tree_forward", None)
+    forward = Abilities.of(target).tree_forward
     if forward is None:
-        raise StateError(
+        raise NotSupportedError(
             f"verify_tree: the target ({type(target).__name__}) has no tree_forward; pass a "
             "model wrapped by kvstate.adapters.wrap"
         )
@@ -76,51 +76,9 @@ def verify_tree(
     else:
         nodes, follow = sample_tree(sampling.probs(logits[0]), drafts, links, sampling, key)
     kept_positions = [0, *[i + 1 for i in nodes]]
-    kept = commit_path(verified, kept_positions, checkpoints)
+    committed = commit_path(verified, kept_positions, checkpoints)
     emitted = [*[drafts[i] for i in nodes], follow]
-    return TreeVerdict(nodes, len(nodes), emitted, kept, logits[0, mx.array(kept_positions)])
-
-
-def tree_of_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """Candidate continuations -> the draft tree (tokens, parents) that shares their common
-    prefixes (a trie, nodes in first-seen order)."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    children: dict[tuple[int, int], int] = {}
-    for path in paths:
-        at = -1
-        for t in path:
-            key = (at, int(t))
-            if key not in children:
-                children[key] = len(tokens)
-                tokens.append(int(t))
-                parents.append(at)
-            at = children[key]
-    return tokens, parents
-
-
-def checked_tree(
-    tokens: Sequence[int], parents: Sequence[int], where: str = "verify_tree"
-) -> tuple[list[int], list[int]]:
-    """A draft tree as lists of ints, checked (TokenError naming `where` otherwise)."""
-    drafts, scalar = as_ints(tokens, f"{where}: tokens", TokenError)
-    links, scalar_link = as_ints(parents, f"{where}: parents", TokenError)
-    if scalar or scalar_link:
-        raise TokenError(f"{where}: tokens and parents must be lists of ints, one per draft")
-    if not drafts:
-        raise TokenError(f"{where}: the tree is empty; give at least one draft")
-    if len(links) != len(drafts):
-        raise TokenError(
-            f"{where}: {len(drafts)} tokens but {len(links)} parents; give one parent per token"
-        )
-    bad = [i for i, p in enumerate(links) if not -1 <= p < i]
-    if bad:
-        raise TokenError(
-            f"{where}: parents {links[:16]} are not a tree listed parents first: draft(s) "
-            f"{bad[:8]} point at themselves, at a later draft (a cycle or an order the forward "
-            "cannot run) or below -1. List every parent before its children; -1 marks a root"
-        )
-    return drafts, links
+    return TreeVerdict(nodes, len(nodes), emitted, committed, logits[0, mx.array(kept_positions)])
 
 
 def _longest_agreeing(drafts: list[int], parents: list[int], best: list[int]) -> list[int]:
@@ -133,11 +91,3 @@ def _longest_agreeing(drafts: list[int], parents: list[int], best: list[int]) ->
             depth[i] = depth[p] + 1
     deepest = max(range(len(drafts)), key=lambda i: (depth[i], -i))
     return path_to(parents, deepest) if depth[deepest] else []
-
-
-def path_to(parents: Sequence[int], node: int) -> list[int]:
-    """The nodes from a root down to `node` (parents listed first, -1 marks a root)."""
-    path = [node]
-    while parents[path[-1]] != -1:
-        path.append(parents[path[-1]])
-    return path[::-1]

@@ -1,0 +1,17 @@
+"""Cache objects <-> kvstate states, one converter per kind for both libraries.
+
+    registry        the tables (cache class -> converter; kind -> `to_cache(state, lib)`)
+    walk            the one walk over a model's caches (cache lists' parts in place)
+    compat          upstream fixes and the refusals of caches caught mid-forward
+    dense rotating recurrent chunked quantized quantized_cache   one kind each (mlx-lm's classes)
+    vlm_only        kinds only mlx-vlm has caches for
+    vlm/            mlx-vlm's classes (imports mlx_vlm; loaded when one of its caches arrives)
+    convert         from_mlx_lm / to_mlx_lm
+
+Importing this package registers every mlx-lm converter.
+"""
+
+from . import chunked, dense, quantized, recurrent, rotating, vlm_only  # noqa: F401
+from .convert import from_mlx_lm, to_mlx_lm
+
+__all__ = ["from_mlx_lm", "to_mlx_lm"]

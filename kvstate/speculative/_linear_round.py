@@ -1,0 +1,102 @@
+"""The generator's batched rounds: a linear round (verify every row's drafts in one forward,
+accept, commit each row's kept prefix) and a plain step (one token per row, no drafts).
+Both return `(state, Round)`; the words are the package glossary's (`kvstate.speculative`)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import mlx.core as mx
+
+from .. import CommitError, commit_prefix
+from ..kinds import host_ints
+from ._drafter import Proposal
+from ._replay import run_kept
+from ._round import Round, RoundPlan
+from ._sampling import Sampler, accept, greedy_picks, pick
+from ._target import Target
+
+
+def plain_step(
+    target: Target,
+    state: Any,
+    last: list[int],
+    sampler: Sampler,
+    key: mx.array | None,
+    hidden: bool,
+) -> tuple[Any, Round]:
+    """One forward of each row's `last` token from `state` and the target's next token per
+    row (drawn with `key`; None when greedy): a round with nothing drafted."""
+    fed = mx.array(last, mx.int32)[:, None]
+    logits, state, *seen = target(fed, state, **({"hidden": True} if hidden else {}))
+    nxt = host_ints(pick(sampler, logits[:, -1], key))
+    rows = len(last)
+    return state, Round(fed, logits, [0] * rows, nxt, [[] for _ in range(rows)], _one(seen), 0)
+
+
+def linear_round(
+    target: Target,
+    state: Any,
+    last: list[int],
+    proposal: Proposal,
+    sampler: Sampler,
+    key: mx.array | None,
+    plan: RoundPlan,
+) -> tuple[Any, Round]:
+    """Verify `proposal` (drafted[b] = `proposal.counts[b]` drafts after row b's `last`
+    token, at least one row with some) from `state` in one forward of 1 + span tokens,
+    accept each row's longest agreeing prefix (greedy) or by exact speculative sampling
+    (drawing with `key`; None when greedy), and commit each row's kept tokens.
+
+    Pass `state` as the only reference to it (MLX then writes the verify's KV entries into
+    its buffers instead of copying them); it is kept past the verify only when `plan` says
+    a commit can be refused, to re-run the kept tokens from."""
+    drafted = proposal.counts
+    span = max(drafted)
+    drafts = proposal.tokens
+    if drafts.shape[1] != span:
+        drafts = drafts[:, :span]
+    if drafts.dtype != mx.int32:
+        drafts = drafts.astype(mx.int32)
+    fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafts], 1)
+    extra = {"hidden": True} if plan.hidden else {}
+    if plan.capture:
+        logits, verified, checkpoints, *seen = target(fed, state, capture=True, **extra)
+    else:
+        logits, verified, *seen = target(fed, state, **extra)
+        checkpoints = None
+    # Hold nothing of the pre-verify state while the verify runs (MLX then writes the KV
+    # buffers in place instead of copying them), unless a commit can be refused.
+    before = state if plan.keep_before else None
+    del state
+    emitted_drafts: list[list[int]]
+    if sampler.greedy:
+        # One read: the accepted counts and the target's picks, which are the accepted
+        # drafts followed by the next token.
+        picked = greedy_picks(logits, drafts, drafted)
+        accepted = [p[0] for p in picked]
+        nxt = [p[1 + p[0]] for p in picked]
+        emitted_drafts = [p[1:] for p in picked]
+    else:
+        probs = None if proposal.probs is None else proposal.probs[:, :span]
+        target_probs = sampler.probs(logits)
+        verdict = accept(target_probs, drafts, probs, drafted, sampler, key)
+        accepted, nxt = verdict.accepted, verdict.next_tokens
+        emitted_drafts = cast(list[list[int]], drafts.tolist())  # evaluated: no wait
+    kept = [a + 1 for a in accepted]
+    try:
+        state = commit_prefix(verified, kept, checkpoints)
+    except CommitError:
+        if before is None:
+            raise
+        # What a plain decode of the kept tokens gives, from the state before.
+        state = run_kept(target, before, fed, kept)
+    # Nor the verified state: a plain verify's cache objects stay with it (the wrapped model
+    # keeps them for a forward from it) and would share the committed buffers.
+    del verified, checkpoints, before
+    return state, Round(fed, logits, accepted, nxt, emitted_drafts, _one(seen), span)
+
+
+def _one(seen: list[mx.array]) -> mx.array | None:
+    """The hidden states a forward returned last, when asked for (else None)."""
+    return seen[0] if seen else None

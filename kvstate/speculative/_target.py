@@ -1,0 +1,86 @@
+"""What the generator and the drafters need of a model: the `Target` protocol (a wrapped model,
+`kvstate.adapters.wrap(model)`, is one), the optional abilities a target may add, and
+`Abilities.of`, the one place that probes for them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import mlx.core as mx
+
+from ..distributed import group_of
+
+Pick = Callable[[mx.array], mx.array]
+"""(B, vocab) logits of a step's last position -> (B,) or (B, 1) integer ids: the next input."""
+
+
+class Target(Protocol):
+    """A model as the generator, the verify functions and `ModelDrafter` call it: a pure view
+    whose forward takes a kvstate state and returns a new one.
+
+    Optional abilities (see `Abilities`): `tree_forward` (`TreeTarget`: tree verification),
+    `chain` (`ChainTarget`: a draft model's steps on its own caches) and `group` (a model
+    split over processes with `mx.distributed`: its ranks' decisions are checked to agree).
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids the model takes are 0 .. vocab_size - 1 (a target may leave it out: tree
+        rounds then do not check the drafted ids against it)."""
+        ...
+
+    def init_state(self, batch_size: int = 1) -> Any:
+        """An empty state for `batch_size` rows."""
+        ...
+
+    def __call__(
+        self, tokens: Any, state: Any, *, capture: bool = False, hidden: bool = False
+    ) -> Any:
+        """`tokens` (B, T) int ids from `state` -> `(logits (B, T, vocab), state)`, then the
+        checkpoints `commit_prefix` needs when `capture`, then the final hidden states
+        (B, T, D) when `hidden`: `logits, state[, checkpoints][, hidden]`."""
+        ...
+
+
+class TreeTarget(Target, Protocol):
+    """A target that verifies a token tree in one forward (`verify_tree`)."""
+
+    def tree_forward(
+        self, tokens: Any, state: Any, parents: Sequence[int]
+    ) -> tuple[mx.array, Any, Any]:
+        """One forward of `tokens` (1, T) over a batch-1 `state`, token q attending to its
+        ancestors only (`parents[q]`, -1 for q = 0): `(logits (1, T, vocab), state with all
+        T appended, checkpoints by input position)`."""
+        ...
+
+
+class ChainTarget(Target, Protocol):
+    """A target that runs a draft model's one-token steps on its own caches."""
+
+    def chain(
+        self, tokens: Any, state: Any, steps: int, pick: Pick
+    ) -> tuple[mx.array, mx.array, Any]:
+        """`tokens` (B, T) from `state`, then `steps - 1` one-token forwards each fed
+        `pick(last logits)`, and one pick more: `(logits (B, steps, vocab), picks (B, steps),
+        state)`, the state as the plain calls would give it."""
+        ...
+
+
+class Abilities(NamedTuple):
+    """The optional parts of a target, probed once (at `generate()` and `ModelDrafter()`
+    entry, or where a public verify function starts) instead of wherever they are used."""
+
+    vocab_size: int | None  # None: the target does not say (tree rounds skip the id check)
+    tree_forward: Callable[..., tuple[mx.array, Any, Any]] | None
+    chain: Callable[..., tuple[mx.array, mx.array, Any]] | None
+    group: Any  # the distributed group of a split model; None in one process
+
+    @classmethod
+    def of(cls, target: Target) -> Abilities:
+        return cls(
+            getattr(target, "vocab_size", None),
+            getattr(target, "tree_forward", None),
+            getattr(target, "chain", None),
+            group_of(target),
+        )
