@@ -284,4 +284,4 @@ def _(
         arrays.append(checkpoint_at(c, positions[-1] + 1))
     if found:
         raise ShapeError("tree commit: checkpoints do not fit: " + "; ".join(found))
-    return RecurrentState(tuple(arrays), state.left_padding, state.lengths)
+    return trusted(RecurrentState)(tuple(arrays), state.left_padding, state.lengths)
