@@ -9,7 +9,7 @@ What it times (per call, each ending in an eval of what it produced):
 - commit / ragged commit / tile / row_select / filter / merge / extend / extract on a
   16-layer, 4-row DenseKV ModelState of 300 tokens.
 
-The earlier commit is checked out into a temporary git worktree; worker processes of the two
+The earlier commit's files are copied into a temporary folder; worker processes of the two
 versions alternate (old, new, new, old, ...), each timing every operation once, so drift on a
 shared machine hits both. Figures are medians over workers of new / old per-call time.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def _time(fn: Callable[[], Any], inner: int, reps: int = 7) -> float:
 
 
 class NullModel:
-    """Writes one token of K/V into every layer's cache and returns fixed logits: a wrapped
-    forward of it costs the wrapper's bookkeeping alone, without the math."""
+    """Writes each token's K/V (ones) into every layer's cache and returns fixed logits: a
+    wrapped forward of it costs the wrapper's bookkeeping alone, without the math."""
 
     def __init__(self, layers: int) -> None:
         import mlx.core as mx
@@ -60,8 +61,14 @@ class NullModel:
         self.logits = mx.zeros((1, 1, 256), mx.float16)
 
     def __call__(self, tokens: Any, cache: list[Any]) -> Any:
+        import mlx.core as mx
+
+        # As many positions as tokens: a prompt of 4 that wrote 1 would leave states whose
+        # `appended` (4) is past their length (1), which their constructors refuse.
+        width = tokens.shape[1]
+        kv = self.kv if width == 1 else mx.ones((1, 2, width, 64), mx.float16)
         for c in cache:
-            c.update_and_fetch(self.kv, self.kv)
+            c.update_and_fetch(kv, kv)
         return self.logits
 
     def named_modules(self) -> list[tuple[str, Any]]:
@@ -121,10 +128,14 @@ def worker() -> dict[str, float]:
     return out
 
 
-def _worktree(rev: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="kvstate-")) / "old"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True,
-                   capture_output=True)  # fmt: skip
+def _export(rev: str) -> Path:
+    """The files of commit `rev` in a new temporary folder: a plain copy (`git archive`), not
+    a git worktree, so that no `git worktree prune / remove` elsewhere can take it away
+    during the run."""
+    path = Path(tempfile.mkdtemp(prefix="hot-paths-")) / "old"
+    path.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(path)], input=archive.stdout, check=True)
     return path
 
 
@@ -172,7 +183,7 @@ def main() -> None:
     parser.add_argument("--against", default="d37287d", help="the earlier commit")
     parser.add_argument("--workers", type=int, default=8, help="worker processes per version")
     args = parser.parse_args()
-    old_tree = _worktree(args.against)
+    old_tree = _export(args.against)
     try:
         runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for i in range(args.workers):
@@ -181,8 +192,7 @@ def main() -> None:
                 runs[side].append(_run_worker(old_tree if side == "old" else ROOT))
             print(f"worker pair {i + 1}/{args.workers} done", file=sys.stderr)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT,
-                       check=False, capture_output=True)  # fmt: skip
+        shutil.rmtree(old_tree.parent, ignore_errors=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                           capture_output=True).stdout.strip()  # fmt: skip
     print(f"## hot paths: this checkout ({head}) vs {args.against}\n")

@@ -17,10 +17,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import StateError
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, replace
-from ._unpadded_kv import held, register_unpadded_kv, require_one_span, window_span_problems
+from ._unpadded_kv import (
+    held,
+    no_batch_axis,
+    register_unpadded_kv,
+    require_one_span,
+    window_span_problems,
+)
 from ._validation import kv_pair_problems, typed_statics
 from .kinds import (
     Capabilities,
@@ -86,12 +91,9 @@ def _(first: BufferedWindowKV, rest: Sequence[BufferedWindowKV]) -> BufferedWind
         "mlx-vlm's BufferedRotatingKVCache has no left padding (one offset and one mask for "
         "all rows), so every row must be at the same position",
     )
-    filled = [s for s in states if s.keys is not None]
-    if len(filled) != len(states):
-        raise StateError(
-            "merge: empty BufferedWindowKV states have no batch axis to merge along; merge "
-            "after the first forward (prefill)"
-        )
+    empty = [s for s in states if s.keys is None]
+    if empty:
+        raise no_batch_axis(empty[0], "merge")
     n = held(first)
     keys = mx.concatenate([s.keys[..., :n, :] for s in states if s.keys is not None])
     values = mx.concatenate([s.values[..., :n, :] for s in states if s.values is not None])

@@ -14,18 +14,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import StateError
 from ._shared import array_kv_config, shared_appended, uniform_count
-from ._tree import State, replace
+from ._tree import State, replace, trusted
 from ._unpadded_kv import (
     held,
     kv_batch_size,
+    no_batch_axis,
     require_one_span,
     take_kv_rows,
     trimmed,
     window_span_problems,
 )
-from ._validation import kv_pair_problems, typed_statics
+from ._validation import kv_pair_problems, previous_rows_problems, typed_statics
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -76,6 +76,7 @@ def _(state: ChunkedKV, values: bool) -> list[str]:
         found += [f"previous.{m}" for m in problems(prev, values)]
         if prev.chunk_size != state.chunk_size or prev.previous is not None or prev.appended:
             found.append("previous: one state of the same chunk_size, with nothing pending")
+        found += previous_rows_problems(state, prev)
     return found
 
 
@@ -113,7 +114,7 @@ def _(state: ChunkedKV, counts: tuple[int, ...], checkpoints: Any) -> ChunkedKV:
 
 @take_rows.register
 def _(state: ChunkedKV, rows: tuple[int, ...]) -> ChunkedKV:
-    taken = take_kv_rows(state, rows, " (an empty state takes the batch size of its first forward)")
+    taken = take_kv_rows(state, rows)
     previous = state.previous
     # An empty `previous` has no batch axis and needs none: it restores to empty.
     if state.keys is None or previous is None or previous.keys is None:
@@ -132,10 +133,7 @@ def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
     )
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
-        raise StateError(
-            "merge: empty ChunkedKV states have no batch axis to merge along; merge after "
-            "the first forward (prefill)"
-        )
+        raise no_batch_axis(first, "merge")
     k0, v0 = filled[0].keys, filled[0].values
     assert k0 is not None and v0 is not None
     n = held(first)
@@ -147,7 +145,7 @@ def _(first: ChunkedKV, rest: Sequence[ChunkedKV]) -> ChunkedKV:
 
     keys = mx.concatenate([part(s, s.keys, k0) for s in states])
     values = mx.concatenate([part(s, s.values, v0) for s in states])
-    merged = ChunkedKV(
+    merged = trusted(ChunkedKV)(
         keys,
         values,
         chunk_size=first.chunk_size,
@@ -181,12 +179,12 @@ def _keeping_pending(merged: ChunkedKV, states: Sequence[ChunkedKV]) -> ChunkedK
 @extract_row.register
 def _(state: ChunkedKV, row: int) -> ChunkedKV:
     if state.keys is None or state.values is None:
-        return ChunkedKV(chunk_size=state.chunk_size)
+        return trusted(ChunkedKV)(chunk_size=state.chunk_size)
     n = held(state)
     previous = state.previous
     if previous is not None and previous.keys is not None:
         previous = extract_row(previous, row)
-    return ChunkedKV(
+    return trusted(ChunkedKV)(
         mx.contiguous(state.keys[row : row + 1, :, :n]),
         mx.contiguous(state.values[row : row + 1, :, :n]),
         previous,

@@ -9,7 +9,15 @@ from typing import Any
 
 from ._errors import PlacementError
 from ._placement import Placement
-from .kinds import Capabilities, Composite, config_of, problems, state_class, static_field
+from .kinds import (
+    Capabilities,
+    Composite,
+    config_of,
+    construction_problems,
+    problems,
+    state_class,
+    static_field,
+)
 
 
 @state_class(Capabilities())
@@ -49,13 +57,27 @@ def _(state: ModelState) -> dict[str, Any]:
 @problems.register
 def _(state: ModelState, values: bool) -> list[str]:
     found: list[str] = problems.dispatch(Composite)(state, values)
+    return found + _placement_problems(state)
+
+
+@construction_problems.register
+def _(state: ModelState) -> list[str]:
+    found: list[str] = construction_problems.dispatch(Composite)(state)
+    return found + _placement_problems(state)
+
+
+def _placement_problems(state: ModelState) -> list[str]:
+    """The placement is one `Placement.parse` reads, and holds as many layers as the state."""
     if not isinstance(state.placement, str):
-        return [*found, f"placement: must be a str; got a {type(state.placement).__name__}"]
+        return [f"placement: must be a str; got a {type(state.placement).__name__}"]
+    found: list[str] = []
+    if not state.placement:  # a single process's (every decode step builds one)
+        return found
     try:
         placed = Placement.parse(state.placement)
     except PlacementError as e:
-        return [*found, f"placement: {e}"]
-    if placed is not None and placed.layers is not None:
+        return [f"placement: {e}"]
+    if placed is not None and placed.layers is not None and isinstance(state.layers, tuple):
         start, stop = placed.layers
         if stop - start != len(state.layers):
             found.append(

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from ._shared import array_kv_config, path_entries, path_in_place, shared_appended
-from ._tree import State, host_ints, replace
+from ._tree import State, host_ints, replace, trusted
 from ._validation import (
     ints_within,
     kv_pair_problems,
@@ -82,7 +82,7 @@ def _(state: DenseKV, values: bool) -> list[str]:
     keys = state.keys
     capacity = 0 if keys is None else int(keys.shape[2])
     batch = int(keys.shape[0]) if keys is not None else batch_size_of(state)
-    found += rows_problems("left_padding", state.left_padding, batch)
+    found += rows_problems("left_padding", state.left_padding, batch, "keys")
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
     if state.concatenate and state.left_padding is not None:
@@ -116,7 +116,9 @@ def _(state: DenseKV, counts: tuple[int, ...], checkpoints: Any) -> DenseKV:
         if state.concatenate and keys is not None and values is not None:
             keys, values = used(keys, length), used(values, length)
         # The constructor, not `replace`: this runs for every layer of every verify.
-        return DenseKV(keys, values, state.left_padding, length, 0, state.concatenate, state.simple)
+        return trusted(DenseKV)(
+            keys, values, state.left_padding, length, 0, state.concatenate, state.simple
+        )
     return _commit_ragged(state, counts)
 
 
@@ -230,7 +232,7 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
     appended = shared_appended(states)
     filled = [s for s in states if s.keys is not None and s.values is not None]
     if not filled:
-        return DenseKV(left_padding=left_padding, appended=appended)
+        return trusted(DenseKV)(left_padding=left_padding, appended=appended)
 
     def aligned(arrays: list[mx.array | None]) -> mx.array:
         # One new buffer, each state's used positions written right-aligned into its rows
@@ -246,7 +248,7 @@ def _(first: DenseKV, rest: Sequence[DenseKV]) -> DenseKV:
 
     keys = aligned([s.keys for s in states])
     values = aligned([s.values for s in states])
-    return DenseKV(keys, values, left_padding, length=length, appended=appended)
+    return trusted(DenseKV)(keys, values, left_padding, length=length, appended=appended)
 
 
 def _pending_within(appended: int, held: int) -> int:
@@ -259,12 +261,12 @@ def _pending_within(appended: int, held: int) -> int:
 @extract_row.register
 def _(state: DenseKV, row: int) -> DenseKV:
     if state.keys is None or state.values is None:
-        return DenseKV(concatenate=state.concatenate, simple=state.simple)
+        return trusted(DenseKV)(concatenate=state.concatenate, simple=state.simple)
     start = host_ints(state.left_padding)[row] if state.left_padding is not None else 0
     keys = mx.contiguous(state.keys[row : row + 1, :, start : state.length])
     values = mx.contiguous(state.values[row : row + 1, :, start : state.length])
     length = state.length - start
-    return DenseKV(
+    return trusted(DenseKV)(
         keys,
         values,
         length=length,

@@ -50,6 +50,17 @@ class DivergenceError(StateError):
     """The ranks of a distributed group reached different decisions (accepted counts, rows)."""
 
 
+def inconsistent(kind: str, found: list[str]) -> ShapeError:
+    """The error for a state of class `kind` whose fields disagree (`found`: what
+    `kinds.problems` reported, each naming its field), raised by its constructor and by
+    `kvstate.check`. Shows the first 20 problems."""
+    shown = "; ".join(found[:20]) + (f"; ... ({len(found) - 20} more)" if len(found) > 20 else "")
+    return ShapeError(
+        f"inconsistent {kind}: {shown}. States built from parts must agree with themselves; "
+        "build them from model caches (kvstate.adapters) or with the transforms"
+    )
+
+
 def require(condition: bool, error: type[StateError], message: str) -> None:
     """Raise `error(message)` unless `condition` holds."""
     if not condition:

@@ -37,7 +37,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ._errors import FileFormatError, ShapeError, StateError
+from ._errors import FileFormatError, NotSupportedError, ShapeError, StateError
 from ._io_mlx_lm import is_mlx_lm_file, load_mlx_lm
 from ._placement import check_rank
 from ._tree import is_state, rebuild
@@ -189,7 +189,9 @@ def _encode(node: Any, path: tuple[str, ...], arrays: dict[str, mx.array]) -> An
 
 def _dtype_name(a: mx.array, name: str) -> str:
     if a.dtype not in _DTYPE_NAMES:
-        raise StateError(f"save: array {name!r} has dtype {a.dtype}, which safetensors cannot hold")
+        raise NotSupportedError(
+            f"save: array {name!r} has dtype {a.dtype}, which safetensors cannot hold"
+        )
     return _DTYPE_NAMES[a.dtype]
 
 

@@ -25,6 +25,7 @@ from ._errors import FileFormatError
 from ._quantized import QuantizedKV
 from ._recurrent import RecurrentState
 from ._rotating import RotatingKV
+from ._tree import trusted
 
 Tree = Any  # nested lists of mx.array, int, float, bool, str, None
 _MAX_DEPTH = 8  # mlx-lm's deepest path: layer . CacheList part . (state, class) . entry . array
@@ -54,7 +55,7 @@ def load_mlx_lm(
         _layer(path, c, s, f"layer {i}") for i, (c, s) in enumerate(zip(classes, tree, strict=True))
     )
     mx.eval(list(arrays.values()))  # detach from the file now, not at first use
-    return ModelState(layers), user
+    return trusted(ModelState)(layers), user
 
 
 def _split_metadata(
@@ -201,24 +202,28 @@ class _Reader:
 
 def _kv(r: _Reader, s: Tree) -> DenseKV:
     keys, values, offset = s
-    return DenseKV(r.optional(keys), r.optional(values), length=r.int(offset))
+    return trusted(DenseKV)(r.optional(keys), r.optional(values), length=r.int(offset))
 
 
 def _concat(r: _Reader, s: Tree) -> DenseKV:
     keys, values = r.optional(s[0]), r.optional(s[1])
     # ConcatenateKVCache.from_state derives offset from the keys' length.
-    return DenseKV(keys, values, length=0 if keys is None else keys.shape[-2], concatenate=True)
+    return trusted(DenseKV)(
+        keys, values, length=0 if keys is None else keys.shape[-2], concatenate=True
+    )
 
 
 def _batch_kv(r: _Reader, s: Tree) -> DenseKV:
     keys, values, offset, left_padding, idx = s
     r.array(offset)  # derived: offset == _idx - left_padding
-    return DenseKV(r.optional(keys), r.optional(values), r.array(left_padding), length=r.int(idx))
+    return trusted(DenseKV)(
+        r.optional(keys), r.optional(values), r.array(left_padding), length=r.int(idx)
+    )
 
 
 def _rotating(r: _Reader, s: Tree) -> RotatingKV:
     keys, values, offset, keep, max_size, idx = s
-    return RotatingKV(
+    return trusted(RotatingKV)(
         r.optional(keys),
         r.optional(values),
         max_size=r.int(max_size),
@@ -230,7 +235,7 @@ def _rotating(r: _Reader, s: Tree) -> RotatingKV:
 
 def _batch_rotating(r: _Reader, s: Tree) -> RotatingKV:
     keys, values, offsets, left_padding, max_size, offset, idx, rotated = s
-    return RotatingKV(
+    return trusted(RotatingKV)(
         r.optional(keys),
         r.optional(values),
         r.array(left_padding),
@@ -244,7 +249,7 @@ def _batch_rotating(r: _Reader, s: Tree) -> RotatingKV:
 
 def _quantized(r: _Reader, s: Tree) -> QuantizedKV:
     keys, values, offset, group_size, bits = s
-    return QuantizedKV(
+    return trusted(QuantizedKV)(
         r.triple(keys),
         r.triple(values),
         length=r.int(offset),
@@ -257,7 +262,7 @@ def _quantized(r: _Reader, s: Tree) -> QuantizedKV:
 
 def _chunked(r: _Reader, s: Tree) -> ChunkedKV:
     keys, values, offset, chunk_size, start = s
-    return ChunkedKV(
+    return trusted(ChunkedKV)(
         r.optional(keys),
         r.optional(values),
         chunk_size=r.int(chunk_size),
@@ -270,7 +275,7 @@ def _arrays(r: _Reader, s: Tree) -> RecurrentState:
     cache, left_padding, lengths = s
     if not isinstance(cache, list):
         raise r.fail("a list of arrays", cache)
-    return RecurrentState(
+    return trusted(RecurrentState)(
         tuple(r.optional(a) for a in cache), r.optional(left_padding), r.optional(lengths)
     )
 
@@ -281,7 +286,7 @@ def _cache_list(r: _Reader, s: Tree) -> ListState:
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], str)):
             raise r.fail("(state, class name) pairs", pair)
         children.append(_layer(r.path, pair[1], pair[0], f"{r.where} cache {i}"))
-    return ListState(tuple(children))
+    return trusted(ListState)(tuple(children))
 
 
 _CLASSES: dict[str, tuple[int | None, Callable[[_Reader, Tree], Any]]] = {

@@ -31,8 +31,14 @@ import mlx.core as mx
 
 from ._errors import CommitError
 from ._shared import shared_appended, uniform_count
-from ._tree import State, host_ints, replace
-from ._validation import array_problems, rows_problems, static_int, typed_statics
+from ._tree import State, host_ints, replace, trusted
+from ._validation import (
+    array_problems,
+    previous_rows_problems,
+    rows_problems,
+    static_int,
+    typed_statics,
+)
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -150,10 +156,13 @@ def _(state: PooledKV, values: bool) -> list[str]:
         if any(a is None for a in per_row):
             found.append("remainders, pool_lengths and left_padding: all arrays or all None")
         else:
+            # The field batch_size_of reads the rows from (remainders, at the latest).
+            fields = ("buf_kv", "pooled", "remainders")
+            source = next(n for n in fields if getattr(state, n) is not None)
             for name, a in zip(
                 ("remainders", "pool_lengths", "left_padding"), per_row, strict=True
             ):
-                found += rows_problems(name, a, batch)
+                found += rows_problems(name, a, batch, source)
         if not found and values:
             found += _row_value_problems(state)
     else:
@@ -189,7 +198,7 @@ def _previous_problems(state: PooledKV, values: bool) -> list[str]:
     found = [f"previous.{m}" for m in problems(prev, values)]
     if prev.ratio != state.ratio or prev.previous is not None or prev.appended:
         found.append("previous: one state of the same ratio, with nothing pending")
-    return found
+    return found + previous_rows_problems(state, prev)
 
 
 @batch_size_of.register
@@ -356,7 +365,7 @@ def _stack(parts: Sequence[tuple[PooledKV, int]], zero_fill: bool) -> PooledKV:
     Missing buffers are zeros."""
     ratio = parts[0][0].ratio
     rows = [r for s, batch in parts for r in rows_of(s, batch)]
-    made = PooledKV(ratio=ratio)
+    made = trusted(PooledKV)(ratio=ratio)
     if zero_fill and all(rem == 0 and pool == 0 for rem, pool, _ in rows):
         return with_rows(made, rows, True)
     if zero_fill:
@@ -384,7 +393,7 @@ def _stack(parts: Sequence[tuple[PooledKV, int]], zero_fill: bool) -> PooledKV:
             pieces.append(a)
         return mx.concatenate(pieces, axis=0)
 
-    made = PooledKV(
+    made = trusted(PooledKV)(
         column("buf_kv", ratio, 0),
         column("buf_gate", ratio, 0),
         column("pooled", width, 1),
@@ -441,6 +450,6 @@ def _(state: PooledKV, row: int) -> PooledKV:
             previous, appended = None, 0
         else:
             previous = extract_row(take_rows(previous, (row,)), 0)
-    return PooledKV(
+    return trusted(PooledKV)(
         *bufs, pooled, previous=previous, ratio=state.ratio, remainder=rem, appended=appended
     )

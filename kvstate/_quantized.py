@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from ._dense import DenseKV, commit_ragged, used
-from ._errors import ConfigMismatchError, StateError, require
+from ._errors import ConfigMismatchError, NotSupportedError, StateError, require
 from ._padded_rows import Layout
 from ._padded_rows import register as register_padded_rows
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
@@ -195,8 +195,12 @@ def _(state: QuantizedKV, values: bool) -> list[str]:
         if len(shapes) > 1:
             return [f"keys and values disagree in batch, heads or capacity: {sorted(shapes)}"]
         capacity = int(state.keys[0].shape[2])
-    batch = batch_size_of(state)
-    found += rows_problems("left_padding", state.left_padding, batch)
+        # The arrays' rows, not batch_size_of's (which reads left_padding first).
+        found += rows_problems(
+            "left_padding", state.left_padding, int(state.keys[0].shape[0]), "keys"
+        )
+    else:
+        found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
     if values and not found:
@@ -214,9 +218,11 @@ def _triple_problems(name: str, q: Any, codec: Codec) -> list[str]:
     packed, scales, biases = q
     if packed.dtype != mx.uint32:
         found.append(f"{name}[0]: packed data must be uint32; got {packed.dtype}")
-    if scales.shape != biases.shape or not mx.issubdtype(scales.dtype, mx.floating):
+    same = scales.shape == biases.shape and scales.dtype == biases.dtype
+    if not same or not mx.issubdtype(scales.dtype, mx.floating):
         found.append(
-            f"{name}: scales {scales.shape} and biases {biases.shape} must be float, one shape"
+            f"{name}: scales {scales.shape} {scales.dtype} and biases {biases.shape} "
+            f"{biases.dtype} must be float, of one shape and dtype"
         )
     stored = codec.stored_dim(q)
     if not found and packed.shape[3] != packed_width(stored, codec.bits):
@@ -265,14 +271,6 @@ def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> Quantize
 
 
 # ---------------------------------------------------------------------------- rows
-
-
-def _no_batch_axis(state: QuantizedKV, what: str) -> StateError:
-    return StateError(
-        f"{what}: an empty {type(state).__name__} has no arrays, so no batch axis to gather "
-        "rows along; run the first forward (prefill) before tiling or selecting rows "
-        "(an empty state takes the batch size of its first forward)"
-    )
 
 
 @take_rows.register
@@ -354,12 +352,12 @@ def quantize(
     )
     if isinstance(state, DenseKV):
         return _quantize_dense(state, empty)
-    require(
-        isinstance(state, Composite),
-        StateError,
-        f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
-        f"{type(state).__name__}",
-    )
+    if not isinstance(state, Composite):
+        # Another kind of state is well-formed: quantize does not do it (NotSupportedError).
+        raise (NotSupportedError if isinstance(state, State) else StateError)(
+            f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
+            f"{type(state).__name__}"
+        )
     return _quantize_layers(state, empty)
 
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 from ._checkpoints import Checkpoint, checkpoint_at, pick, problem
 from ._errors import CheckpointRequiredError, ShapeError
 from ._shared import shared_appended
-from ._tree import State
+from ._tree import State, trusted
 from ._validation import array_problems, rows_problems, typed_statics
 from .kinds import (
     Capabilities,
@@ -81,8 +81,9 @@ def _(state: RecurrentState, values: bool) -> list[str]:
         shapes = [f"[{i}] {tuple(a.shape)}" for i, a in arrays]
         return [f"arrays: batch sizes {sorted(batches)} differ ({', '.join(shapes)})"]
     batch = batch_size_of(state)
-    found += rows_problems("left_padding", state.left_padding, batch)
-    found += rows_problems("lengths", state.lengths, batch)
+    source = "arrays" if arrays else "left_padding"  # as batch_size_of reads them
+    found += rows_problems("left_padding", state.left_padding, batch, source)
+    found += rows_problems("lengths", state.lengths, batch, source)
     return found
 
 
@@ -114,7 +115,9 @@ def _(state: RecurrentState, rows: tuple[int, ...]) -> RecurrentState:
     arrays = tuple(None if a is None else a[index] for a in state.arrays)
     left_padding = None if state.left_padding is None else state.left_padding[index]
     lengths = None if state.lengths is None else state.lengths[index]
-    return _keeping_rows(RecurrentState(arrays, left_padding, lengths, state.appended), len(rows))
+    return _keeping_rows(
+        trusted(RecurrentState)(arrays, left_padding, lengths, state.appended), len(rows)
+    )
 
 
 def _keeping_rows(state: RecurrentState, batch: int) -> RecurrentState:
@@ -127,7 +130,7 @@ def _keeping_rows(state: RecurrentState, batch: int) -> RecurrentState:
         or state.lengths is not None
     ):
         return state
-    return RecurrentState(state.arrays, mx.zeros((batch,), mx.int32), None, state.appended)
+    return trusted(RecurrentState)(state.arrays, mx.zeros((batch,), mx.int32), None, state.appended)
 
 
 def _zeros_like_rows(like: mx.array, batch: int) -> mx.array:
@@ -157,7 +160,7 @@ def _(first: RecurrentState, rest: Sequence[RecurrentState]) -> RecurrentState:
             s.left_padding if s.left_padding is not None else mx.zeros((b,), mx.int32)
             for s, b in zip(states, batches, strict=True)
         ]
-        return RecurrentState(
+        return trusted(RecurrentState)(
             (None,) * len(first.arrays),
             left_padding=mx.concatenate(paddings),
             appended=shared_appended(states),
@@ -167,7 +170,7 @@ def _(first: RecurrentState, rest: Sequence[RecurrentState]) -> RecurrentState:
     arrays = tuple(
         _concat_rows([s.arrays[e] for s in states], batches) for e in range(len(first.arrays))
     )
-    return RecurrentState(arrays, appended=shared_appended(states))
+    return trusted(RecurrentState)(arrays, appended=shared_appended(states))
 
 
 @extend_states.register
@@ -175,7 +178,7 @@ def _(a: RecurrentState, b: RecurrentState) -> RecurrentState:
     # ArraysCache.extend: concatenate every array and the bookkeeping, zeros where one is None.
     batches = [batch_size_of(a), batch_size_of(b)]
     arrays = tuple(_concat_rows([x, y], batches) for x, y in zip(a.arrays, b.arrays, strict=True))
-    extended = RecurrentState(
+    extended = trusted(RecurrentState)(
         arrays,
         _concat_rows([a.left_padding, b.left_padding], batches),
         _concat_rows([a.lengths, b.lengths], batches),
@@ -188,7 +191,7 @@ def _(a: RecurrentState, b: RecurrentState) -> RecurrentState:
 def _(state: RecurrentState, row: int) -> RecurrentState:
     # ArraysCache.extract: the row's arrays, no bookkeeping.
     arrays = tuple(None if a is None else a[row : row + 1] for a in state.arrays)
-    return RecurrentState(arrays, appended=state.appended)
+    return trusted(RecurrentState)(arrays, appended=state.appended)
 
 
 def _check_checkpoints(state: RecurrentState, checkpoints: Any) -> Checkpoints:
@@ -231,7 +234,7 @@ def _(state: RecurrentState, counts: tuple[int, ...], checkpoints: Any) -> Recur
     checked = None if checkpoints is None else _check_checkpoints(state, checkpoints)
     if all(c == state.appended for c in counts):
         # Keep everything: nothing to roll back, so no checkpoints are needed.
-        return RecurrentState(state.arrays, state.left_padding, state.lengths)
+        return trusted(RecurrentState)(state.arrays, state.left_padding, state.lengths)
     if checked is None:
         raise CheckpointRequiredError(
             f"a RecurrentState cannot be trimmed: keeping {list(counts)} of the "
@@ -247,7 +250,7 @@ def _(state: RecurrentState, counts: tuple[int, ...], checkpoints: Any) -> Recur
     def unadvance(x: mx.array | None) -> mx.array | None:
         return None if x is None else x + rejected.astype(x.dtype)
 
-    return RecurrentState(
+    return trusted(RecurrentState)(
         tuple(None if c is None else pick(c, counts) for c in checked),
         unadvance(state.left_padding),
         unadvance(state.lengths),
@@ -281,4 +284,4 @@ def _(
         arrays.append(checkpoint_at(c, positions[-1] + 1))
     if found:
         raise ShapeError("tree commit: checkpoints do not fit: " + "; ".join(found))
-    return RecurrentState(tuple(arrays), state.left_padding, state.lengths)
+    return trusted(RecurrentState)(tuple(arrays), state.left_padding, state.lengths)

@@ -3,23 +3,29 @@ arrays can be gigabytes, and printing them would also force their evaluation).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from ._tree import State, nbytes
-from .kinds import Composite, batch_size_of
+
+Parts = Callable[[Any], "tuple[str, tuple[Any, ...]] | None"]
+"""A composite's (parts field, parts); None for a layer kind (`kinds` hands it in)."""
 
 
-def summary(state: Any) -> str:
-    """One line per state; a composite adds one indented line per part."""
-    if isinstance(state, Composite):
-        field = type(state)._parts_field
+def summary(state: Any, batch_size: Callable[[Any], int], parts_of: Parts) -> str:
+    """One line per state; a composite adds one indented line per part. `batch_size` and
+    `parts_of` come from the kind contract (`kinds.batch_size_of`, the composite's parts)."""
+    composite = parts_of(state)
+    if composite is not None:
+        field, parts = composite
         placed = getattr(state, "placement", "")
         where = f", {placed}" if placed else ""
-        lines = [f"{_head(state)}, {len(state.parts)} {field}{where})"]
-        for i, part in enumerate(state.parts):
-            lines.append(f"  [{i}] " + summary(part).replace("\n", "\n      "))
+        lines = [f"{_head(state, batch_size)}, {len(parts)} {field}{where})"]
+        for i, part in enumerate(parts):
+            line = summary(part, batch_size, parts_of)
+            lines.append(f"  [{i}] " + line.replace("\n", "\n      "))
         return "\n".join(lines)
     shown = []
     for name in type(state).__kvstate_children__:
@@ -27,12 +33,12 @@ def summary(state: Any) -> str:
         if value is not None:
             shown.append(f"{name}={_child(value)}")
     shown += [f"{n}={getattr(state, n)!r}" for n in type(state).__kvstate_statics__]
-    return f"{_head(state)}, {', '.join(shown)})"
+    return f"{_head(state, batch_size)}, {', '.join(shown)})"
 
 
-def _head(state: Any) -> str:
+def _head(state: Any, batch_size: Callable[[Any], int]) -> str:
     try:
-        batch, size = f"batch {batch_size_of(state)}", _bytes(nbytes(state))
+        batch, size = f"batch {batch_size(state)}", _bytes(nbytes(state))
     except Exception:  # a repr must describe even a state that is inconsistent
         batch, size = "batch ?", "? B"
     return f"{type(state).__name__}({batch}, {size}"

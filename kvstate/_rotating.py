@@ -25,8 +25,14 @@ import mlx.core as mx
 
 from ._errors import CommitError, ConfigMismatchError, NotSupportedError
 from ._shared import array_kv_config, path_entries, path_in_place, shared_appended
-from ._tree import State, host_ints, replace
-from ._validation import kv_pair_problems, rows_problems, static_int, typed_statics
+from ._tree import State, host_ints, replace, trusted
+from ._validation import (
+    kv_pair_problems,
+    previous_rows_problems,
+    rows_problems,
+    static_int,
+    typed_statics,
+)
 from .kinds import (
     Capabilities,
     batch_size_of,
@@ -120,10 +126,11 @@ def _(state: RotatingKV, values: bool) -> list[str]:
     capacity = 0 if state.keys is None else int(state.keys.shape[2])
     found += static_int("index", state.index, 0, capacity)
     if _batched(state):
+        found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
         batch = batch_size_of(state)
         if state.keys is not None and state.keys.shape[0] != batch:
             found.append(f"keys: batch {state.keys.shape[0]}, but left_padding has {batch} rows")
-        found += rows_problems("offsets", state.offsets, batch)
+        found += rows_problems("offsets", state.offsets, batch, "left_padding")
         if state.offsets is None:
             found.append("offsets: the batched form (left_padding set) needs per-row offsets")
         if state.keep:
@@ -143,7 +150,7 @@ def _previous_problems(state: RotatingKV, prev: Any, values: bool) -> list[str]:
         found.append("previous: max_size and keep must be the state's own")
     if prev.previous is not None or prev.appended:
         found.append("previous: holds one window, with no record or pending forward of its own")
-    return found
+    return found + previous_rows_problems(state, prev)
 
 
 @capabilities_of.register
@@ -297,11 +304,11 @@ def _commit_uniform(state: RotatingKV, h: _History, accepted: int) -> RotatingKV
             values = mx.concatenate([values[..., :keep, :], values[..., keep + cut :, :]], 2)
     length = total - cut
     if not _batched(state):
-        return RotatingKV(
+        return trusted(RotatingKV)(
             keys, values, max_size=max_size, keep=keep, offset=h.offset + accepted, index=length
         )
     assert h.left_padding is not None and h.offsets is not None
-    return RotatingKV(
+    return trusted(RotatingKV)(
         keys,
         values,
         h.left_padding - cut,
@@ -333,7 +340,7 @@ def _commit_ragged(state: RotatingKV, h: _History, counts: tuple[int, ...]) -> R
     kept = mx.clip(ends - mx.maximum(pad0, 0), 0, state.max_size)
     index = mx.maximum(ends[:, None] - length + mx.arange(length, dtype=mx.int32)[None], 0)
     index = index[:, None, :, None]
-    return RotatingKV(
+    return trusted(RotatingKV)(
         mx.take_along_axis(src_k, index, axis=2),
         mx.take_along_axis(src_v, index, axis=2),
         (length - kept).astype(mx.int32),
@@ -357,7 +364,7 @@ def _(state: RotatingKV, rows: tuple[int, ...]) -> RotatingKV:
             return state
         _require_no_keep(state, "tile/row_select of an empty window")
         zeros = mx.zeros((len(rows),), mx.int32)
-        return RotatingKV(left_padding=zeros, offsets=zeros, max_size=state.max_size)
+        return trusted(RotatingKV)(left_padding=zeros, offsets=zeros, max_size=state.max_size)
     index = mx.array(rows, mx.int32)
 
     def take(a: mx.array | None) -> mx.array | None:
@@ -438,7 +445,7 @@ def _merge_unpadded(states: Sequence[RotatingKV]) -> RotatingKV:
     offsets = [s.offset for s, r in zip(states, rows, strict=True) for _ in range(r)]
     if longest == 0:
         zeros = mx.zeros((sum(rows),), mx.int32)
-        return RotatingKV(left_padding=zeros, offsets=zeros, max_size=max_size)
+        return trusted(RotatingKV)(left_padding=zeros, offsets=zeros, max_size=max_size)
     filled = next(s for s in states if s.keys is not None)
     assert filled.keys is not None and filled.values is not None
     k0, v0 = filled.keys, filled.values
@@ -455,7 +462,7 @@ def _merge_unpadded(states: Sequence[RotatingKV]) -> RotatingKV:
         )
 
     parts = [rows_of(s, n, r) for s, n, r in zip(states, sizes, rows, strict=True)]
-    return RotatingKV(
+    return trusted(RotatingKV)(
         mx.concatenate([p[0] for p in parts]),
         mx.concatenate([p[1] for p in parts]),
         mx.array(padding, mx.int32),
@@ -516,7 +523,7 @@ def _extend_batched(a: RotatingKV, b: RotatingKV) -> RotatingKV:
         return k, v, s.left_padding + left
 
     (ka, va, pa), (kb, vb, pb) = (pad(s, *p) for s, p in zip((a, b), parts, strict=True))
-    return RotatingKV(
+    return trusted(RotatingKV)(
         mx.concatenate([ka, kb]),
         mx.concatenate([va, vb]),
         mx.concatenate([pa, pb]),
@@ -548,7 +555,7 @@ def _(state: RotatingKV, row: int) -> RotatingKV:
 
 def _extract_window(state: RotatingKV, row: int) -> RotatingKV:
     if state.keys is None or state.values is None:
-        return RotatingKV(max_size=state.max_size, keep=state.keep)
+        return trusted(RotatingKV)(max_size=state.max_size, keep=state.keep)
     if not _batched(state):
         return replace(
             state,
@@ -562,7 +569,7 @@ def _extract_window(state: RotatingKV, row: int) -> RotatingKV:
     padding = max(0, host_ints(state.left_padding)[row])
     offset = host_ints(state.offsets)[row]
     if offset <= 0:  # the row holds no entries yet (only padding): an empty window
-        return RotatingKV(max_size=state.max_size, keep=state.keep)
+        return trusted(RotatingKV)(max_size=state.max_size, keep=state.keep)
     k, v = state.keys[row : row + 1], state.values[row : row + 1]
     end = state.index
     if state.rotated:
@@ -572,7 +579,7 @@ def _extract_window(state: RotatingKV, row: int) -> RotatingKV:
             state.max_size,
         )
     k, v = mx.contiguous(k[:, :, padding:end]), mx.contiguous(v[:, :, padding:end])
-    return RotatingKV(k, v, max_size=state.max_size, offset=offset, index=k.shape[2])
+    return trusted(RotatingKV)(k, v, max_size=state.max_size, offset=offset, index=k.shape[2])
 
 
 def _path_start(state: RotatingKV) -> int:

@@ -16,10 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ConfigMismatchError, StateError, require
+from ._errors import ConfigMismatchError, require
 from ._shared import array_kv_config, shared_appended
 from ._tree import State, replace
-from ._unpadded_kv import register_unpadded_kv
+from ._unpadded_kv import no_batch_axis, register_unpadded_kv
 from ._validation import kv_pair_problems, static_int, typed_statics
 from .kinds import (
     Capabilities,
@@ -96,11 +96,9 @@ def _(first: StaticPrefixKV, rest: Sequence[StaticPrefixKV]) -> StaticPrefixKV:
         "StaticPrefixKVCache has no left padding (one offset for all rows), so every row "
         "must be at the same position",
     )
-    if any(s.keys is None for s in states):
-        raise StateError(
-            "merge: empty StaticPrefixKV states have no batch axis to merge along; merge "
-            "after the first forward (prefill)"
-        )
+    empty = [s for s in states if s.keys is None]
+    if empty:
+        raise no_batch_axis(empty[0], "merge")
     # Rows keep their whole allocation (decoders read it); a smaller one is grown with zeros.
     capacity = max(int(s.keys.shape[2]) for s in states if s.keys is not None)
     keys = mx.concatenate([_grown(s.keys, capacity) for s in states if s.keys is not None])

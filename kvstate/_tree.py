@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any, ClassVar, TypeVar, cast, dataclass_transform
+from typing import Any, ClassVar, ParamSpec, TypeVar, cast, dataclass_transform
 
 import attrs
 import mlx.core as mx
@@ -23,6 +23,7 @@ from ._errors import ShapeError, StateError
 _STATIC = "kvstate.static"
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class State:
@@ -44,8 +45,14 @@ def static_field(**kwargs: Any) -> Any:
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(attrs.field, static_field))
-def frozen_state(cls: type[T]) -> type[T]:
-    """`attrs.frozen(eq=False)` plus the child/static split, computed once."""
+def frozen_state(cls: type[T], check: Callable[[Any], None] | None = None) -> type[T]:
+    """`attrs.frozen(eq=False)` plus the child/static split, computed once, and the class's
+    trusted builder (see `trusted`). `check(state)`, if given, runs at the end of every
+    construction through the class itself (`cls(...)`, `attrs.evolve`), never through the
+    trusted builder: it raises on fields that disagree (as equinox's `__check_init__`)."""
+    if check is not None:
+        own = cls.__dict__.get("__attrs_post_init__")
+        cls.__attrs_post_init__ = check if own is None else _both(own, check)  # type: ignore[attr-defined]
     made = attrs.frozen(eq=False, repr=False)(cls)
     fields = attrs.fields(made)  # type: ignore[arg-type]
     made.__kvstate_children__ = tuple(f.name for f in fields if not f.metadata.get(_STATIC))  # type: ignore[attr-defined]
@@ -54,7 +61,66 @@ def frozen_state(cls: type[T]) -> type[T]:
     made.__kvstate_field_set__ = frozenset(made.__kvstate_fields__)  # type: ignore[attr-defined]
     made.__kvstate_field_index__ = {n: i for i, n in enumerate(made.__kvstate_fields__)}  # type: ignore[attr-defined]
     made.__kvstate_field_values__ = _field_values(made.__kvstate_fields__)  # type: ignore[attr-defined]
+    made.__kvstate_trusted__ = _builder(made, fields)  # type: ignore[attr-defined]
     return made
+
+
+def _both(first: Callable[[Any], None], second: Callable[[Any], None]) -> Callable[[Any], None]:
+    def post_init(state: Any) -> None:
+        first(state)
+        second(state)
+
+    return post_init
+
+
+def _builder(cls: type, fields: Any) -> Callable[..., Any]:
+    """A function with the signature of `cls`'s constructor that makes an instance without
+    running its `__attrs_post_init__`: attrs' own init, minus that call (generated once)."""
+    scope: dict[str, Any] = {
+        "_new": object.__new__,
+        "_setter": object.__setattr__.__get__,
+        "_cls": cls,
+        "_NOTHING": attrs.NOTHING,
+    }
+    params, lines = [], []
+    for i, f in enumerate(fields):
+        name = f.alias  # the constructor's parameter name (attrs drops a leading "_")
+        if f.kw_only and "*" not in params:
+            params.append("*")
+        if f.default is attrs.NOTHING:
+            params.append(name)
+        elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+            if f.default.takes_self:
+                raise TypeError(f"{cls.__name__}.{f.name}: a default that takes self")
+            scope[f"_factory{i}"] = f.default.factory
+            params.append(f"{name}=_NOTHING")
+            lines.append(f"    if {name} is _NOTHING: {name} = _factory{i}()")
+        else:
+            scope[f"_default{i}"] = f.default
+            params.append(f"{name}=_default{i}")
+    body = "".join(f"    _set({f.name!r}, {f.alias})\n" for f in fields)
+    source = (
+        f"def build({', '.join(params)}):\n"
+        + "".join(line + "\n" for line in lines)
+        + "    self = _new(_cls)\n    _set = _setter(self)\n"
+        + body
+        + "    return self\n"
+    )
+    exec(compile(source, f"<kvstate trusted builder of {cls.__qualname__}>", "exec"), scope)
+    build: Callable[..., Any] = scope["build"]
+    build.__qualname__ = f"trusted({cls.__qualname__})"
+    init = getattr(cls.__init__, "__annotations__", {})  # type: ignore[misc]
+    build.__annotations__ = {**{k: v for k, v in init.items() if k != "return"}, "return": cls}
+    return build
+
+
+def trusted(cls: Callable[P, T]) -> Callable[P, T]:
+    """`cls`'s constructor without its construction check, for fields the caller knows
+    agree: a transform's result, a state rebuilt from a checked one (as equinox's unflatten
+    builds with `object.__new__`). Same signature: `trusted(DenseKV)(keys, values, ...)`.
+    Anything built from outside goes through `cls(...)`, which checks, or `kvstate.check`."""
+    build: Callable[P, T] = cls.__kvstate_trusted__  # type: ignore[attr-defined]
+    return build
 
 
 def _field_values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
@@ -66,7 +132,8 @@ def _field_values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
 
 def replace(state: T, **changes: Any) -> T:
     """A copy of `state` with some fields changed: `attrs.evolve` without its per-call
-    introspection (this runs once per layer per decode step)."""
+    introspection (this runs once per layer per decode step) and, like `trusted`, without
+    the construction check: the caller keeps the fields in agreement."""
     cls = type(state)
     if not changes.keys() <= cls.__kvstate_field_set__:  # type: ignore[attr-defined]
         names = cls.__kvstate_fields__  # type: ignore[attr-defined]
@@ -75,7 +142,9 @@ def replace(state: T, **changes: Any) -> T:
     index = cls.__kvstate_field_index__  # type: ignore[attr-defined]
     for name, value in changes.items():
         values[index[name]] = value
-    return cls(*values)
+    # Trusted: a kind's own rebuild (the caller changes fields so that they still agree).
+    made: T = cls.__kvstate_trusted__(*values)  # type: ignore[attr-defined]
+    return made
 
 
 def host_ints(a: mx.array) -> list[int]:
@@ -97,8 +166,12 @@ def statics(state: Any) -> tuple[Any, ...]:
 
 
 def rebuild(cls: type[T], child_values: tuple[Any, ...], static_values: tuple[Any, ...]) -> T:
+    """A `cls` from its children and statics, trusted (unchecked): callers that take them
+    from outside (`tree_unflatten`, `load`) check the whole result afterwards, so that the
+    messages name every problem by its path from the root."""
     names = cls.__kvstate_children__ + cls.__kvstate_statics__  # type: ignore[attr-defined]
-    return cls(**dict(zip(names, child_values + static_values, strict=True)))
+    made: T = cls.__kvstate_trusted__(**dict(zip(names, child_values + static_values, strict=True)))  # type: ignore[attr-defined]
+    return made
 
 
 # A TreeDef is a nested, hashable description of everything but the arrays:

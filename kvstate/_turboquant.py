@@ -225,11 +225,16 @@ def _(state: TurboQuantKV, values: bool) -> list[str]:
             found += _side_problems(state, side, values)
         if found:
             return found
-        shapes = {tuple(a.shape[:3]) for a in arrays_of(state)}
-        if len(shapes) > 1:
-            return [f"the arrays disagree in batch, heads or capacity: {sorted(shapes)}"]
-        capacity = int(arrays_of(state)[0].shape[2])
-    found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
+        positional = {f: getattr(state, f) for f in _POSITIONAL if getattr(state, f) is not None}
+        if len({tuple(a.shape[:3]) for a in positional.values()}) > 1:
+            shapes = ", ".join(f"{f} {tuple(a.shape)}" for f, a in positional.items())
+            return [f"the arrays disagree in batch, heads or capacity (axes 0-2): {shapes}"]
+        indices = positional["key_indices"]  # every scheme has indices
+        capacity = int(indices.shape[2])
+        # The arrays' rows, not batch_size_of's (which reads left_padding first).
+        found += rows_problems("left_padding", state.left_padding, indices.shape[0], "key_indices")
+    else:
+        found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
     if values and not found:

@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ConfigMismatchError, StateError, require
+from ._errors import ConfigMismatchError, NotSupportedError, require
 from ._shared import uniform_count
 from ._tree import replace
 from ._validation import static_int
@@ -50,17 +50,24 @@ def kv_batch_size(state: Any) -> int:
     return int(state.keys.shape[0]) if state.keys is not None else 1
 
 
-def take_kv_rows(state: Any, rows: tuple[int, ...], note: str = "") -> Any:
-    """`rows` of keys and values. An empty state is its own row (0,) and has no others: a
-    StateError naming its kind (`note` appended to the message)."""
+def no_batch_axis(state: Any, what: str) -> NotSupportedError:
+    """The refusal of `what` ("merge", or a row transform) on an empty `state` of a kind
+    without left padding, whose rows exist only once a forward gave it arrays."""
+    verb = "merge" if what == "merge" else "gather rows"
+    return NotSupportedError(
+        f"{what}: an empty {type(state).__name__} has no arrays, so no batch axis to {verb} "
+        "along; run the first forward (prefill) first (an empty state takes the batch size "
+        "of its first forward)"
+    )
+
+
+def take_kv_rows(state: Any, rows: tuple[int, ...]) -> Any:
+    """`rows` of keys and values. An empty state is its own row (0,) and has no others
+    (`no_batch_axis`)."""
     if state.keys is None or state.values is None:
         if rows == (0,):
             return state
-        raise StateError(
-            f"row_select / tile: an empty {type(state).__name__} has no arrays, so no batch "
-            "axis to gather rows along; run the first forward (prefill) before tiling or "
-            f"selecting rows{note}"
-        )
+        raise no_batch_axis(state, "row_select / tile")
     index = mx.array(rows, mx.int32)
     return replace(state, keys=state.keys[index], values=state.values[index])
 

@@ -28,10 +28,10 @@ import mlx.core as mx
 import numpy as np
 
 from ._composite import ListState, ModelState
-from ._errors import DivergenceError, PlacementError, StateError
+from ._errors import DivergenceError, NotSupportedError, PlacementError
 from ._placement import Placement, placement_of
 from ._recurrent import RecurrentState
-from ._tree import State, rebuild, statics
+from ._tree import State, rebuild, statics, trusted
 from .kinds import Composite, batch_size_of, with_parts
 
 __all__ = [
@@ -68,7 +68,10 @@ def agree(values: Sequence[int], group: Any = None, *, what: str = "values") -> 
         return ints
     outside = [v for v in ints if not _INT32[0] <= v <= _INT32[1]]
     if outside:
-        raise StateError(f"agree: values must fit in int32; got {outside[:4]}")
+        raise NotSupportedError(
+            f"agree: values must fit in int32 (the group exchanges them as int32); got "
+            f"{outside[:4]}"
+        )
     digests = _all_gather_rows(_digest(ints), group)
     if all(d == digests[0] for d in digests):
         return ints
@@ -117,7 +120,7 @@ def with_placement(state: ModelState, placement: Placement | None) -> ModelState
                 f"with_placement: {text} holds {stop - start} layers; the state has "
                 f"{len(state.layers)}"
             )
-    return state if state.placement == text else ModelState(state.layers, text)
+    return state if state.placement == text else trusted(ModelState)(state.layers, text)
 
 
 # ---------------------------------------------------------------------------- gather
@@ -136,11 +139,11 @@ def gather(states: Sequence[ModelState]) -> ModelState:
     if placed[0].scheme == "pipeline":
         runs = sorted(zip(placed, ordered, strict=True), key=lambda p: p[0].layers or (0, 0))
         _check_pipeline_cover([p for p, _ in runs])
-        return ModelState(tuple(layer for _, s in runs for layer in s.layers))
+        return trusted(ModelState)(tuple(layer for _, s in runs for layer in s.layers))
     counts = {len(s.layers) for s in ordered}
     if len(counts) != 1:
         raise PlacementError(f"gather: the ranks' states have {sorted(counts)} layers; one count")
-    return ModelState(
+    return trusted(ModelState)(
         tuple(
             _join([s.layers[i] for s in ordered], f"layers[{i}]")
             for i in range(len(ordered[0].layers))
@@ -174,7 +177,7 @@ def scatter(state: ModelState, placements: Sequence[Placement]) -> list[ModelSta
                 _split(layer, p.rank, p.size, f"layers[{i}]")
                 for i, layer in enumerate(state.layers)
             )
-        out.append(ModelState(layers, str(p)))
+        out.append(trusted(ModelState)(layers, str(p)))
     if placed and placed[0].scheme == "pipeline":
         _check_pipeline_cover(placed, len(state.layers))
     return out

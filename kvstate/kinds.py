@@ -8,8 +8,15 @@ A kind is one module that
 2. registers its implementation of every generic function below (`@take_rows.register`,
    ...; `REQUIRED` lists the ones without a default);
 3. registers its consistency check (`@problems.register`), run wherever a state enters
-   from outside (`kvstate.check`, `load`, `tree_unflatten`, `from_mlx_lm`);
+   from outside: its shape-only part (`values=False`: shapes, dtypes, statics, no host
+   sync) by the class's constructor, all of it by `kvstate.check`, `load`, `tree_unflatten`
+   and `from_mlx_lm`;
 4. refines `capabilities_of` if its capabilities depend on the instance.
+
+Constructing a state (`DenseKV(keys, values, ...)`) checks it, like equinox's
+`__check_init__`: fields that disagree raise `kvstate.ShapeError` naming them. The kind's own
+transforms build their results with `trusted(cls)(...)` or `replace`, which skip the check
+(their fields agree by construction), so the hot paths pay nothing for it.
 
 Registration is the only list of kinds: save/load, the hypothesis strategies, error messages
 and the composite walk all derive theirs from `kinds()`. A composite state (a layer that is
@@ -18,7 +25,8 @@ everywhere through `.parts` and `with_parts`; the transforms map over its parts 
 
 Generic functions get inputs the public transforms already validated (counts in range,
 rows in range, configurations that agree). Helpers for writing a kind are exported too:
-`replace` (a copy with fields changed, fast), `kv_config` / `array_kv_config` (the config of
+`replace` (a copy with fields changed, fast, unchecked), `trusted` (a kind's constructor
+without the check), `kv_config` / `array_kv_config` (the config of
 a KV kind), `config_mismatches`, `shared_appended` (the pending forward a merge keeps),
 `uniform_count` (the one count of a kind without left padding), `host_ints`, `as_int`,
 `as_ints`, `inherit` (a state made from others carries the consumers' trust they share) and
@@ -37,8 +45,9 @@ import attrs
 
 from ._checkpoints import problem as checkpoint_problem
 from ._dispatch import generic
-from ._errors import CommitError, NotSupportedError, ShapeError, StateError, require
+from ._errors import CommitError, NotSupportedError, ShapeError, StateError, inconsistent, require
 from ._ints import as_int, as_ints
+from ._repr import summary
 from ._shared import (
     array_kv_config,
     config_mismatches,
@@ -46,7 +55,15 @@ from ._shared import (
     shared_appended,
     uniform_count,
 )
-from ._tree import State, frozen_state, host_ints, replace, static_field, tree_leaves
+from ._tree import (
+    State,
+    frozen_state,
+    host_ints,
+    replace,
+    static_field,
+    tree_leaves,
+    trusted,
+)
 from ._trust import inherit, vouch, vouched
 
 __all__ = [
@@ -64,6 +81,7 @@ __all__ = [
     "commit_rows",
     "config_mismatches",
     "config_of",
+    "construction_problems",
     "extend_states",
     "extract_row",
     "filter_rows",
@@ -85,6 +103,7 @@ __all__ = [
     "state_class",
     "static_field",
     "take_rows",
+    "trusted",
     "uniform_count",
     "vouch",
     "vouched",
@@ -144,7 +163,9 @@ def state_class(capabilities: Capabilities = Capabilities()) -> Callable[[type[T
     """Declare a kind: a frozen state class with `capabilities`, registered under its name.
 
     The class must subclass `State` (or `Composite`); names are unique, since files record
-    them. The class gets a summary `repr` (kind, batch, shapes, bytes; never the values).
+    them. The class gets a summary `repr` (kind, batch, shapes, bytes; never the values),
+    and its constructor checks what it built (`construction_problems`; `trusted(cls)` is
+    the constructor without the check).
     """
 
     def decorate(cls: type[T]) -> type[T]:
@@ -152,7 +173,7 @@ def state_class(capabilities: Capabilities = Capabilities()) -> Callable[[type[T
             raise TypeError(f"state_class: {cls.__name__} must subclass kvstate.kinds.State")
         if cls.__name__ in _KINDS:
             raise TypeError(f"state_class: a kind named {cls.__name__} is already registered")
-        made = frozen_state(cls)
+        made = frozen_state(cls, check=_check_construction)
         if issubclass(made, Composite):
             fields = made.__kvstate_children__
             if len(fields) != 1:
@@ -180,10 +201,21 @@ def kind_named(name: str) -> type | None:
     return _KINDS.get(name)
 
 
-def _summary(state: Any) -> str:
-    from ._repr import summary  # the repr needs the generic functions defined below
+def _check_construction(state: Any) -> None:
+    """Every constructor's last step: raise `ShapeError` if the fields disagree."""
+    found = construction_problems.dispatch(state.__class__)(state)
+    if found:
+        raise inconsistent(type(state).__name__, found)
 
-    return summary(state)
+
+def _summary(state: Any) -> str:
+    # The repr is handed what it needs of the kind contract: it imports nothing from here.
+    return summary(state, batch_size_of, _parts_of)
+
+
+def _parts_of(state: Any) -> tuple[str, tuple[Any, ...]] | None:
+    """(field, parts) of a composite; None for a layer kind."""
+    return (state._parts_field, state.parts) if isinstance(state, Composite) else None
 
 
 class Composite(State):
@@ -292,6 +324,19 @@ def problems(state: Any, values: bool) -> list[str]:
 
 
 @generic
+def construction_problems(state: Any) -> list[str]:
+    """What a constructor of `state`'s class refuses: `problems(state, values=False)` (shapes,
+    dtypes and statics; never a host sync). A composite checks only its own level (its parts
+    are states, and agree), since each part was checked when it was made. A kind that has
+    not registered `problems` (yet) is not checked."""
+    impl = problems.dispatch(state.__class__)
+    if impl is _no_problems_registered:
+        return []
+    found: list[str] = impl(state, False)
+    return found
+
+
+@generic
 def record_forward(state: Any, before: Any, n: int) -> Any:
     """The state a forward of `n` tokens produced from `before`, stamped with `appended=n`.
 
@@ -335,6 +380,8 @@ def keep_path(state: Any, positions: tuple[int, ...], checkpoints: Any, gathered
         f"can: {', '.join(k.__name__ for k in layer_kinds() if implements(k, keep_path))})"
     )
 
+
+_no_problems_registered = problems.dispatch(object)
 
 REQUIRED = (
     batch_size_of,
@@ -487,30 +534,65 @@ def _(state: Composite) -> Capabilities:
 
 @problems.register
 def _(state: Composite, values: bool) -> list[str]:
+    found = _parts_problems(state)
+    if not isinstance(state.parts, tuple):
+        return found
+    field = type(state)._parts_field
+    for i, p in enumerate(state.parts):
+        if _is_part(state, p):
+            found += [f"{field}[{i}].{m}" for m in problems(p, values)]
+    return found or _parts_agree(state)
+
+
+@construction_problems.register
+def _(state: Composite) -> list[str]:
+    # Every forward of a wrapped model builds one: the usual case (parts of one batch and
+    # one pending forward) is answered in one pass; anything else gets the messages.
+    parts, cls = state.parts, state.__class__
+    if type(parts) is tuple:
+        batch_of, appended_by = batch_size_of.dispatch, appended_of.dispatch
+        batches, appended = set(), set()
+        for p in parts:
+            kind = p.__class__
+            if not isinstance(p, State) or isinstance(p, cls):
+                break
+            batches.add(batch_of(kind)(p))
+            appended.add(appended_by(kind)(p))
+        else:
+            if len(batches) <= 1 and len(appended) <= 1:
+                return []
+    return _parts_problems(state) or _parts_agree(state)
+
+
+def _parts_problems(state: Composite) -> list[str]:
+    """The parts are a tuple of states, none of the composite's own class."""
     field = type(state)._parts_field
     parts = state.parts
     if not isinstance(parts, tuple):
         return [f"{field}: must be a tuple of states; got a {type(parts).__name__}"]
-    found = []
-    for i, p in enumerate(parts):
-        if not isinstance(p, State) or isinstance(p, type(state)):
-            found.append(f"{field}[{i}]: a {type(p).__name__} cannot be a part here")
-            continue
-        found += [f"{field}[{i}].{m}" for m in problems(p, values)]
-    if found:
-        return found
-    return _parts_agree(state, field)
+    return [
+        f"{field}[{i}]: a {type(p).__name__} cannot be a part here"
+        for i, p in enumerate(parts)
+        if not _is_part(state, p)
+    ]
 
 
-def _parts_agree(state: Composite, field: str) -> list[str]:
+def _is_part(state: Composite, part: Any) -> bool:
+    return isinstance(part, State) and not isinstance(part, type(state))
+
+
+def _parts_agree(state: Composite) -> list[str]:
     """Every part has the composite's batch (a part that holds no arrays yet has none) and
     the same pending forward (commit_prefix keeps counts of it in every part)."""
-    batch = batch_size_of(state)
-    appended = {appended_of(p) for p in state.parts}
+    field = type(state)._parts_field
+    batch_of, appended_by = batch_size_of.dispatch, appended_of.dispatch
+    batches = [batch_of(p.__class__)(p) for p in state.parts]
+    appended = {appended_by(p.__class__)(p) for p in state.parts}
+    batch = max(batches, default=1)
     found = [
-        f"{field}[{i}]: batch {batch_size_of(p)}, but other parts have {batch}"
-        for i, p in enumerate(state.parts)
-        if batch_size_of(p) != batch and tree_leaves(p)
+        f"{field}[{i}]: batch {b}, but other parts have {batch}"
+        for i, (p, b) in enumerate(zip(state.parts, batches, strict=True))
+        if b != batch and tree_leaves(p)
     ]
     if len(appended) > 1:
         found.append(

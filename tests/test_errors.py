@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import kvstate as ks
+from kvstate import kinds
 from kvstate.adapters import from_mlx_lm, wrap
 from kvstate.adapters.tiny_models import tiny_model
 
@@ -48,11 +49,38 @@ def dense(length: int = 4, appended: int = 2) -> ks.DenseKV:
         (lambda: ks.row_select(dense(), mx.zeros((1, 1), mx.int32)), ks.RowError, "1-d integer"),
         (lambda: ks.row_select(dense(), mx.array([0.0])), ks.RowError, "1-d integer"),
         (lambda: ks.batch_size([K]), ks.StateError, "list is not a kvstate state"),
-        (lambda: ks.nbytes(ks.DenseKV(keys=3)), ks.StateError, None),  # type: ignore[arg-type]
+        (lambda: ks.nbytes(kinds.trusted(ks.DenseKV)(keys=3)), ks.StateError, None),  # type: ignore[arg-type]
+        (lambda: ks.quantize("a state"), ks.StateError, "expected a DenseKV"),
     ],
 )
 def test_bad_arguments_raise_state_errors(call, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert not isinstance(info.value, ks.NotSupportedError)  # a mistake, not a limitation
+
+
+EMPTY_WINDOWS = [
+    ks.ChunkedKV(chunk_size=8),
+    ks.BufferedWindowKV(max_size=8),
+    ks.StaticPrefixKV(max_size=8),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        *[(lambda s=s: ks.tile(s, 2), "tile: an empty .* no batch axis") for s in EMPTY_WINDOWS],
+        *[
+            (lambda s=s: ks.merge([s, s]), "merge: an empty .* no batch axis")
+            for s in EMPTY_WINDOWS
+        ],
+        (lambda: ks.quantize(ks.QuantizedKV()), "quantize: expected a DenseKV"),
+        (lambda: ks.quantize(ks.RecurrentState()), "got a RecurrentState"),
+    ],
+)
+def test_well_formed_requests_kvstate_cannot_do_raise_not_supported(call, match):
+    """A caller can tell "kvstate does not do that" (and fall back) from a mistake."""
+    with pytest.raises(ks.NotSupportedError, match=match):
         call()
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import find
 
 import kvstate as ks
 from kvstate import kinds
@@ -32,7 +33,9 @@ def test_the_library_registers_its_kinds():
 def test_every_kind_implements_the_required_functions(kind):
     missing = [fn.__name__ for fn in kinds.REQUIRED if not kinds.implements(kind, fn)]
     assert not missing, f"{kind.__name__} does not register {missing}"
-    assert isinstance(ks.capabilities(kind()), kinds.Capabilities)
+    # Not `kind()`: a window of max_size 0 is no state (its constructor says so).
+    example = kind() if issubclass(kind, kinds.Composite) else find(STRATEGIES[kind](), bool)
+    assert isinstance(ks.capabilities(example), kinds.Capabilities)
 
 
 @pytest.mark.parametrize("kind", kinds.layer_kinds(), ids=lambda k: k.__name__)
@@ -175,7 +178,7 @@ def test_a_new_kind_works_in_tree_verification_and_a_draft_rollback_by_registeri
 def test_joinable_forwards_is_a_kinds_capability_and_composes_over_parts():
     """DenseKV declares it; a composite has it only when every part does (and a composite of
     no parts, like `all([])`); the other capabilities compose as before."""
-    dense, window, recurrent = ks.DenseKV(), ks.RotatingKV(), ks.RecurrentState()
+    dense, window, recurrent = ks.DenseKV(), ks.RotatingKV(max_size=4), ks.RecurrentState()
     assert ks.capabilities(dense).joinable_forwards
     assert not ks.capabilities(window).joinable_forwards
     assert not ks.capabilities(recurrent).joinable_forwards

@@ -57,19 +57,21 @@ def test_a_kind_without_keep_path_cannot_keep_a_tree_path():
     with pytest.raises(ks.NotSupportedError, match="a QuantizedKV layer cannot keep a tree") as e:
         kinds.keep_path(ks.QuantizedKV(), (0,), None, None)
     assert "DenseKV, RotatingKV, RecurrentState" in str(e.value)
-    k = mx.zeros((1, 1, 4, 8))
-    layers = ks.ModelState((ks.DenseKV(k, k, length=4, appended=2), ks.QuantizedKV()))
+    k = mx.zeros((1, 1, 4, 64))
+    dense = ks.DenseKV(k, k, length=4, appended=2)
+    layers = ks.ModelState((dense, ks.quantize(dense)))  # parts of one pending forward
     with pytest.raises(ks.NotSupportedError, match="QuantizedKV"):
         kinds.keep_path(layers, (0,), None, None)
 
 
 def test_a_batched_sliding_window_cannot_keep_a_tree_path():
     k = mx.zeros((2, 1, 4, 8))
-    window = ks.RotatingKV(k, k, mx.zeros((2,), mx.int32), max_size=8, offset=4, index=4)
+    lp, offsets = mx.zeros((2,), mx.int32), mx.full((2,), 4, mx.int32)
+    window = ks.RotatingKV(k, k, lp, offsets, max_size=8, offset=4, index=4)
     with pytest.raises(ks.NotSupportedError, match="batched sliding window"):
         kinds.keep_path(window, (0,), None, None)
     with pytest.raises(ks.StateError, match="holds nothing"):  # bad input, not unsupported
-        kinds.keep_path(ks.RotatingKV(), (0,), None, None)
+        kinds.keep_path(ks.RotatingKV(max_size=8), (0,), None, None)
 
 
 @pytest.mark.parametrize(

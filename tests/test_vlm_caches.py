@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import numpy as np
 import pytest
 
@@ -295,9 +294,11 @@ def test_batch_quantized_methods_equal_kvstate_transforms():
 
 
 def test_batch_quantized_keys_and_values_of_other_bits_have_no_mlx_vlm_class():
-    state = from_mlx_vlm(batch_quantized([1, 0], [3]))
+    keys = mx.random.normal((2, 1, 3, 64))
+    dense = ks.DenseKV(keys, keys, mx.array([1, 0], mx.int32), length=3)
+    state = ks.quantize(dense, group_size=32, key_bits=4, value_bits=8)
     with pytest.raises(ks.StateError, match="one bits and group_size"):
-        to_mlx_vlm(attrs.evolve(state, value_bits=8))
+        to_mlx_vlm(state)
 
 
 @pytest.mark.parametrize("steps", [1, 5])
