@@ -6,6 +6,13 @@ Declaring the class and registering its generic functions is all it takes: every
 transform, `check`, `save` / `load`, composites (a ModelState holding it), `capabilities` and
 the hypothesis strategies then work on it, and nothing else in kvstate changes.
 
+At the model boundary, `TokenHistoryCache` is the same state as an mlx-lm-style cache object
+(what a model's `make_cache` returns and its forward updates), registered with
+`kvstate.adapters.caches`; `HistoryModel` is a tiny llama whose cache list ends with one. Then
+`wrap`, the speculative generator with a draft model (whose rollback is one commit, since the
+kind declares `joinable_forwards`) and token-tree verification (`keep_path` / `gather_path`)
+work on it too: checked against plain greedy decoding.
+
 Run: python examples/custom_kind.py
 """
 
@@ -17,16 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
 from kvstate import kinds
-from kvstate.kinds import Capabilities, State, replace, state_class, static_field
+from kvstate.adapters import wrap
+from kvstate.adapters.caches import fresh, register_from, to_cache
+from kvstate.adapters.tiny_models import tiny_model
+from kvstate.kinds import Capabilities, State, replace, state_class, static_field, trusted
+from kvstate.speculative import ModelDrafter, generate
 from kvstate.testing import accepted_counts, strategy_for
 
 
-@state_class(Capabilities(trimmable=True, ragged_commit=True, batchable=True))
+# joinable_forwards: k one-token forwards commit as one (their ids simply follow each other),
+# so a draft model with this layer rolls back by one commit.
+@state_class(
+    Capabilities(trimmable=True, ragged_commit=True, batchable=True, joinable_forwards=True)
+)
 class TokenHistory(State):
     """ids (B, capacity) int32: row b's tokens at [left_padding[b], length)."""
 
@@ -98,6 +115,23 @@ def _(state: TokenHistory, row: int) -> TokenHistory:
     return TokenHistory(ids, length=state.length - start, appended=state.appended)
 
 
+@kinds.gather_path.register
+def _(state: TokenHistory, positions: tuple[int, ...]) -> mx.array:
+    # A tree forward appended its T tokens in input order: the path's ids, gathered.
+    assert state.ids is not None
+    start = state.length - state.appended
+    return state.ids[:, mx.array([start + q for q in positions])]
+
+
+@kinds.keep_path.register
+def _(state: TokenHistory, positions: tuple[int, ...], checkpoints: Any, gathered: Any) -> Any:
+    assert state.ids is not None
+    start = state.length - state.appended
+    ids = state.ids if gathered is None else mx.concatenate([state.ids[:, :start], gathered], 1)
+    kept = start + len(positions)
+    return TokenHistory(ids[:, :kept], state.left_padding, length=kept, appended=0)
+
+
 def _padding(state: TokenHistory) -> mx.array:
     rows = kinds.batch_size_of(state)
     return state.left_padding if state.left_padding is not None else mx.zeros((rows,), mx.int32)
@@ -135,6 +169,117 @@ def token_histories(draw: Any, *, batch: Any = None, appended: Any = None) -> To
     return record(before, mx.array(ids, mx.int32).reshape(batch, length)[:, length - appended :])
 
 
+# ---------------------------------------------------------------------------------------
+# The model boundary: the kind as an mlx-lm-style cache object, in a model.
+# ---------------------------------------------------------------------------------------
+
+
+class TokenHistoryCache:
+    """A TokenHistory as mlx-lm keeps state: a mutable object the model's forward updates.
+    ids (B, T) int32, right-aligned; left_padding (B,) int32 or None."""
+
+    def __init__(self, ids: mx.array | None = None, left_padding: mx.array | None = None):
+        self.ids, self.left_padding = ids, left_padding
+
+    def update(self, tokens: mx.array) -> None:
+        old = self.ids if self.ids is not None else mx.zeros((tokens.shape[0], 0), mx.int32)
+        self.ids = mx.concatenate([old, tokens.astype(mx.int32)], axis=1)
+
+    @classmethod
+    def merge(cls, caches: list[TokenHistoryCache]) -> TokenHistoryCache:
+        """A batch of fresh caches, one per row (what mlx-lm's batching of a model's caches
+        calls; kvstate merges filled states itself, with `ks.merge`)."""
+        assert all(c.ids is None for c in caches), "merges fresh caches only"
+        rows = len(caches)
+        return cls(mx.zeros((rows, 0), mx.int32), mx.zeros((rows,), mx.int32))
+
+
+# in_input_order: the cache holds one entry per token, in input order, and takes no part in
+# attention, so a token-tree forward runs it as it is (keep_path keeps the winning path).
+@register_from(TokenHistoryCache, in_input_order=True)
+def _(cache: TokenHistoryCache, appended: int = 0) -> TokenHistory:
+    # Trusted: a converter's result is checked by from_mlx_lm, or read back from a cache the
+    # model has just written.
+    length = 0 if cache.ids is None else cache.ids.shape[1]
+    return trusted(TokenHistory)(fresh(cache.ids), fresh(cache.left_padding), length, appended)
+
+
+@to_cache.register
+def _(state: TokenHistory, lib: Any = None) -> TokenHistoryCache:
+    ids = None if state.ids is None else state.ids[:, : state.length]
+    return TokenHistoryCache(ids, fresh(state.left_padding))
+
+
+class HistoryModel(nn.Module):
+    """An mlx-lm model whose cache list ends with a TokenHistoryCache: the ids it has seen."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.args = inner.args  # vocab_size, as mlx-lm models carry it
+
+    @property
+    def layers(self) -> Any:
+        return self.inner.layers
+
+    def make_cache(self) -> list[Any]:
+        return [*make_prompt_cache(self.inner), TokenHistoryCache()]
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        *layers, history = cache
+        logits = self.inner(inputs, cache=layers, **kwargs)
+        history.update(inputs)
+        return logits
+
+
+class Counted:
+    """A wrapped model that counts its plain forwards (a draft model's proposals run as
+    `chain`; a plain call after the prompts is a re-run of kept tokens)."""
+
+    def __init__(self, m: Any) -> None:
+        self.m, self.calls = m, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.m, name)
+
+    def __call__(self, tokens: Any, state: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.m(tokens, state, **kwargs)
+
+
+def through_a_wrapped_model() -> None:
+    """The kind in a wrapped model: plain, speculative (linear and token-tree) generation give
+    the same tokens, and the history layer holds exactly the tokens each row has seen."""
+    target = wrap(HistoryModel(tiny_model("llama", seed=0)))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    plain = _collect(generate(target, prompts, max_tokens=12))
+    draft = Counted(wrap(HistoryModel(tiny_model("llama", seed=1))))  # another model
+    drafted = _collect(generate(target, prompts, ModelDrafter(draft), k=3, max_tokens=12))
+    assert drafted == plain, (drafted, plain)
+    # One plain forward per (ragged) prompt, then only proposals: every rejected draft was
+    # rolled back by one commit of the draft state, none by running kept tokens again.
+    assert draft.calls == len(prompts), draft.calls
+    tree = _collect(
+        generate(target, prompts[:1], ModelDrafter(draft, branches=2), tree="tree", max_tokens=12)
+    )
+    assert tree == plain[:1], (tree, plain[:1])
+    print("wrapped HistoryModel: plain, draft-model and tree generation agree:", plain[0][:6])
+
+    # The state after a prompt and a verify, committed: the history is what the row kept.
+    _, state = target(mx.array([prompts[0]]), target.init_state())
+    _, verified = target(mx.array([[11, 12, 13]]), state)
+    kept = ks.commit_prefix(verified, 2)
+    assert rows_of(kept.layers[-1]) == [[*prompts[0], 11, 12]], rows_of(kept.layers[-1])
+
+
+def _collect(rounds: Any) -> list[list[int]]:
+    rows: dict[int, list[int]] = {}
+    for tokens in rounds:
+        for t in tokens:
+            rows.setdefault(t.row, []).append(t.token)
+    return [rows[r] for r in sorted(rows)]
+
+
 @settings(max_examples=30, deadline=None, database=None, derandomize=True)
 @given(st.data())
 def commit_keeps_each_rows_accepted_prefix(data: Any) -> None:
@@ -164,13 +309,14 @@ def main() -> None:
         ks.save(Path(tmp) / "history.safetensors", model_state)
         loaded = ks.load(Path(tmp) / "history.safetensors")
     assert rows_of(loaded.layers[1]) == rows_of(committed)
-    try:
-        ks.check(TokenHistory(mx.zeros((1, 4), mx.int32), length=9))
+    try:  # the constructor checks the fields from their shapes (the kind's problems)
+        TokenHistory(mx.zeros((1, 4), mx.int32), length=9)
     except ks.ShapeError as e:
-        print("check:", str(e).split(".")[0])
+        print("constructor:", str(e).split(".")[0])
     print(repr(loaded))
 
     commit_keeps_each_rows_accepted_prefix()
+    through_a_wrapped_model()
     print(f"kinds now: {[k.__name__ for k in kinds.kinds()]}")
     print("ok")
 

@@ -167,7 +167,8 @@ def test_ranks_that_decide_differently_raise_instead_of_diverging(ranks):
         assert seeds["type"] == "DivergenceError" and "first tokens" in seeds["message"]
         both = d["both_splits"]
         assert (
-            both["type"] == "StateError" and "both tensor-sharded and pipelined" in both["message"]
+            both["type"] == "NotSupportedError"
+            and "both tensor-sharded and pipelined" in both["message"]
         )
         mixed = d["gather_mixed"]
         assert mixed["type"] == "PlacementError" and "different shardings" in mixed["message"]

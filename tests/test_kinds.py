@@ -84,8 +84,10 @@ def test_a_state_class_must_subclass_state():
 
 def test_a_new_kind_in_one_file_works_with_every_transform_and_save_load():
     """examples/custom_kind.py declares a kind and registers its functions and strategy; the
-    transforms, check, save/load, composites and strategies then work on it. (A separate
-    process: the registry of this one stays the library's.)"""
+    transforms, check, save/load, composites and strategies then work on it; with its cache
+    class registered with kvstate.adapters.caches, so do wrap, a draft model's rollback by one
+    commit and token-tree verification, against plain greedy decoding. (A separate process:
+    the registry of this one stays the library's.)"""
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "custom_kind.py")],
         capture_output=True,
@@ -96,6 +98,7 @@ def test_a_new_kind_in_one_file_works_with_every_transform_and_save_load():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("ok")
     assert "TokenHistory" in run.stdout
+    assert "wrapped HistoryModel: plain, draft-model and tree generation agree" in run.stdout
 
 
 def test_a_generic_function_finds_implementations_registered_after_it_was_called():

@@ -8,10 +8,13 @@
     vlm/            mlx-vlm's classes (imports mlx_vlm; loaded when one of its caches arrives)
     convert         from_mlx_lm / to_mlx_lm
 
-Importing this package registers every mlx-lm converter.
+Importing this package registers every mlx-lm converter. A new kind with its own cache class
+registers here too (examples/custom_kind.py): `register_from(CacheClass)` for cache -> state,
+`to_cache.register` for state -> cache, `fresh` for the arrays on either side.
 """
 
 from . import chunked, dense, quantized, recurrent, rotating, vlm_only  # noqa: F401
 from .convert import from_mlx_lm, to_mlx_lm
+from .registry import fresh, register_from, to_cache
 
-__all__ = ["from_mlx_lm", "to_mlx_lm"]
+__all__ = ["fresh", "from_mlx_lm", "register_from", "to_cache", "to_mlx_lm"]

@@ -8,13 +8,14 @@ from typing import Any
 from mlx_lm.models.cache import ChunkedKVCache
 
 from kvstate import ChunkedKV
+from kvstate.kinds import trusted
 
 from .registry import LM, fresh, register_from, to_cache
 
 
 @register_from(ChunkedKVCache)
 def _(cache: ChunkedKVCache, appended: int = 0) -> ChunkedKV:
-    return ChunkedKV(
+    return trusted(ChunkedKV)(
         fresh(cache.keys),
         fresh(cache.values),
         chunk_size=cache.chunk_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstate import ModelState, check
+from kvstate.kinds import trusted
 
 from .registry import add_loader, from_cache, is_mlx_vlm, to_cache
 
@@ -34,7 +35,7 @@ def from_mlx_lm(caches: Any) -> Any:
     reads those small arrays back from the device) before it is returned.
     """
     if isinstance(caches, (list, tuple)):
-        return check(ModelState(tuple(from_cache(c) for c in caches)))
+        return check(trusted(ModelState)(tuple(from_cache(c) for c in caches)))
     return check(from_cache(caches))
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from mlx_lm.models.cache import BatchKVCache, ConcatenateKVCache, KVCache
 
 from kvstate import DenseKV
+from kvstate.kinds import trusted
 
 from .compat import refuse_mid_prompt
 from .registry import LM, fresh, register_from, to_cache
@@ -17,14 +18,16 @@ from .registry import LM, fresh, register_from, to_cache
 def _(cache: KVCache, appended: int = 0) -> DenseKV:
     keys, values = cache.keys, cache.values
     if keys is None or values is None:  # before the first forward
-        return DenseKV(None, None, None, cache.offset, appended)
+        return trusted(DenseKV)(None, None, None, cache.offset, appended)
     # keys[...] is `fresh` inlined: this runs for every layer of every decode step.
-    return DenseKV(keys[...], values[...], None, cache.offset, appended)
+    return trusted(DenseKV)(keys[...], values[...], None, cache.offset, appended)
 
 
 @register_from(ConcatenateKVCache)
 def _(cache: ConcatenateKVCache, appended: int = 0) -> DenseKV:
-    return DenseKV(fresh(cache.keys), fresh(cache.values), None, cache.offset, appended, True)
+    return trusted(DenseKV)(
+        fresh(cache.keys), fresh(cache.values), None, cache.offset, appended, True
+    )
 
 
 @register_from(BatchKVCache)
@@ -35,7 +38,7 @@ def _(cache: BatchKVCache, appended: int = 0) -> DenseKV:
         # DenseKV is left-padded only, and finalize() would find nothing to roll.
         refuse_mid_prompt(cache, "_right_padding", right_padding.tolist())
     # offset == _idx - left_padding in every BatchKVCache, so the state derives it.
-    return DenseKV(
+    return trusted(DenseKV)(
         fresh(cache.keys), fresh(cache.values), fresh(cache.left_padding), cache._idx, appended
     )
 

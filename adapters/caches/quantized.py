@@ -16,6 +16,7 @@ from typing import Any
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvstate import NotSupportedError, QuantizedKV
+from kvstate.kinds import trusted
 from kvstate.quantization import is_mlx_lm_form
 
 from .compat import packed_quantized_cache
@@ -25,7 +26,7 @@ from .registry import LM, fresh, register_from, to_cache, triple
 
 @register_from(QuantizedKVCache)
 def _(cache: QuantizedKVCache, appended: int = 0) -> QuantizedKV:
-    return QuantizedKV(
+    return trusted(QuantizedKV)(
         triple(cache.keys),
         triple(cache.values),
         length=cache.offset,

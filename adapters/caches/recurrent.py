@@ -13,13 +13,14 @@ from typing import Any
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from kvstate import ListState, RecurrentState
+from kvstate.kinds import trusted
 
 from .registry import LM, fresh, from_cache, register_from, to_cache
 
 
 @register_from(ArraysCache)
 def _(cache: ArraysCache, appended: int = 0) -> RecurrentState:
-    return RecurrentState(
+    return trusted(RecurrentState)(
         tuple(fresh(a) for a in cache.cache),
         fresh(cache.left_padding),
         fresh(cache.lengths),
@@ -29,7 +30,7 @@ def _(cache: ArraysCache, appended: int = 0) -> RecurrentState:
 
 @register_from(CacheList)
 def _(cache: CacheList, appended: int = 0) -> ListState:
-    return ListState(tuple(from_cache(c, appended) for c in cache.caches))
+    return trusted(ListState)(tuple(from_cache(c, appended) for c in cache.caches))
 
 
 @to_cache.register

@@ -64,14 +64,28 @@ def is_mlx_vlm(obj: Any) -> bool:
 
 FromCache = Callable[[Any, int], Any]
 CONVERTERS: dict[type, FromCache] = {}  # cache class -> (cache, appended) -> layer state
+IN_INPUT_ORDER: set[type] = set()  # classes a tree forward runs as they are (register_from)
 
 
-def register_from(*cache_classes: type) -> Callable[[FromCache], FromCache]:
-    """Register the decorated function as the cache -> state converter of `cache_classes`."""
+def register_from(
+    *cache_classes: type, in_input_order: bool = False
+) -> Callable[[FromCache], FromCache]:
+    """Register the decorated function as the cache -> state converter of `cache_classes`.
+
+    Converters build their states with `kinds.trusted` (no construction check): what they
+    return is either checked whole by `from_mlx_lm` or read back from caches the model has
+    just written, once per layer of every forward, where the check would cost ~3 us a layer.
+
+    `in_input_order`: the class stores one entry per token, values the model computed, in
+    input order, and takes no part in attention masks: a tree forward (`instruments.tree`)
+    runs it as it is, and its kind's `kinds.keep_path` keeps the winning path. Caches that
+    attend (they build masks, or the model builds masks for them) must not say so."""
 
     def decorate(fn: FromCache) -> FromCache:
         for cls in cache_classes:
             CONVERTERS[cls] = fn
+            if in_input_order:
+                IN_INPUT_ORDER.add(cls)
         return fn
 
     return decorate

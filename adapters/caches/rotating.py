@@ -16,6 +16,7 @@ from typing import Any
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from kvstate import NotSupportedError, RotatingKV, StateError
+from kvstate.kinds import trusted
 
 from .compat import fixed_make_mask, refuse_mid_prompt
 from .registry import LM, fresh, names, register_from, to_cache
@@ -23,7 +24,7 @@ from .registry import LM, fresh, names, register_from, to_cache
 
 @register_from(RotatingKVCache)
 def _(cache: RotatingKVCache, appended: int = 0) -> RotatingKV:
-    return RotatingKV(
+    return trusted(RotatingKV)(
         fresh(cache.keys),
         fresh(cache.values),
         max_size=cache.max_size,
@@ -40,7 +41,7 @@ def _(cache: BatchRotatingKVCache, appended: int = 0) -> RotatingKV:
     if lengths is not None:
         # `_lengths` only lives between prepare() and finalize() of a right-padded prompt.
         refuse_mid_prompt(cache, "_lengths", lengths.tolist())
-    return RotatingKV(
+    return trusted(RotatingKV)(
         fresh(cache.keys),
         fresh(cache.values),
         fresh(cache.left_padding),

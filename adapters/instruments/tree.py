@@ -55,6 +55,7 @@ from mlx_lm.models.cache import (
 from kvstate import NotSupportedError, RecurrentState, StateError, StepStates
 from kvstate.kinds import as_int
 
+from ..caches.registry import IN_INPUT_ORDER
 from ..caches.walk import leaves
 from .capture import KNOWN_MIXERS, Record
 from .swap import subclass, swapped, with_body
@@ -319,12 +320,13 @@ def attention_caches(caches: list[Any]) -> list[Any]:
     for c in leaves(caches):
         if type(c) in _ATTENTION:
             attention.append(c)
-        elif not isinstance(c, ArraysCache):
+        elif not isinstance(c, ArraysCache) and type(c) not in IN_INPUT_ORDER:
             raise NotSupportedError(
                 f"tree forward: a layer has a {type(c).__name__}; tree verification supports "
-                "KVCache, BatchKVCache, RotatingKVCache (unpadded sliding windows) and "
-                "kvstate's known recurrent layers. Batched sliding-window, quantized and "
-                "chunked caches: verify linearly or as a batch of paths (verify_paths) instead"
+                "KVCache, BatchKVCache, RotatingKVCache (unpadded sliding windows), "
+                "kvstate's known recurrent layers and caches registered in_input_order. "
+                "Batched sliding-window, quantized and chunked caches: verify linearly or as "
+                "a batch of paths (verify_paths) instead"
             )
     return attention
 

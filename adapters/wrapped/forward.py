@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvstate import ModelState, RecurrentState
-from kvstate.kinds import Composite, record_forward
+from kvstate.kinds import Composite, record_forward, trusted
 
 from ..caches.registry import CONVERTERS, converter_of, to_cache
 from ..caches.walk import arrays_caches
@@ -112,7 +112,7 @@ def read_back(caches: list[Any], befores: Sequence[Any], width: int) -> ModelSta
     for c, before in zip(caches, befores, strict=True):
         layer = (CONVERTERS.get(c.__class__) or converter_of(c))(c, width)
         layers.append(record_forward(layer, before, width) if own_stamp(layer) else layer)
-    return ModelState(tuple(layers))
+    return trusted(ModelState)(tuple(layers))
 
 
 _STAMPS: dict[type, bool] = {}

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvstate import ModelState
-from kvstate.kinds import record_forward
+from kvstate.kinds import record_forward, trusted
 
 from ..caches.registry import from_cache, to_cache
 from ..instruments.buckets import AUTO, Bucketing, bucketing
@@ -47,7 +47,9 @@ def tree_run(
         logits = model(tokens, cache=caches)
     check_followed(tree, attention, ropes, records)
     pairs = zip(caches, state.layers, strict=True)
-    new = ModelState(tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs))
+    new = trusted(ModelState)(
+        tuple(record_forward(from_cache(c, width), b, width) for c, b in pairs)
+    )
     made = iter(records)
     checkpoints = per_recurrent(state, new, lambda b, a: tree_checkpoints(next(made), b, a))
     return logits, new, checkpoints

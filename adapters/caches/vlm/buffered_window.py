@@ -12,6 +12,7 @@ from typing import Any
 from mlx_vlm.models import cache as vlm
 
 from kvstate import BufferedWindowKV, NotSupportedError, StateError
+from kvstate.kinds import trusted
 
 from ..registry import fresh, register_from
 
@@ -30,7 +31,7 @@ def _(cache: vlm.BufferedRotatingKVCache, appended: int = 0) -> BufferedWindowKV
             f"but offset - start_position is {cache.offset} - {cache.start_position}; only a "
             "cache whose entries are its positions has a state"
         )
-    return BufferedWindowKV(
+    return trusted(BufferedWindowKV)(
         fresh(cache.keys),
         fresh(cache.values),
         max_size=int(cache.max_size),

@@ -17,6 +17,7 @@ from mlx_lm.models import cache as lm
 from mlx_vlm.models import cache as vlm
 
 from kvstate import DenseKV, QuantizedKV, RecurrentState, StateError
+from kvstate.kinds import trusted
 
 from .. import walk
 from ..compat import check_settled, refuse_mid_prompt
@@ -48,7 +49,7 @@ def _(cache: vlm.SimpleKVCache, appended: int = 0) -> DenseKV:
             f"{cache.cache_length}; only a cache whose arrays hold cache_length positions has a "
             "state"
         )
-    return DenseKV(
+    return trusted(DenseKV)(
         fresh(cache.keys), fresh(cache.values), None, held, appended, concatenate=True, simple=True
     )
 
@@ -56,7 +57,7 @@ def _(cache: vlm.SimpleKVCache, appended: int = 0) -> DenseKV:
 @register_from(vlm.ArraysCache)
 def _(cache: vlm.ArraysCache, appended: int = 0) -> RecurrentState:
     check_settled(cache)
-    return RecurrentState(
+    return trusted(RecurrentState)(
         tuple(fresh(a) for a in cache.cache),
         fresh(cache.left_padding),  # the properties: stored value minus the advance counter
         fresh(cache.lengths),
@@ -70,7 +71,7 @@ def _(cache: vlm.BatchQuantizedKVCache, appended: int = 0) -> QuantizedKV:
     right_padding = getattr(cache, "_right_padding", None)
     if right_padding is not None:
         refuse_mid_prompt(cache, "_right_padding", right_padding.tolist())
-    return QuantizedKV(
+    return trusted(QuantizedKV)(
         triple(cache.keys),
         triple(cache.values),
         fresh(cache.left_padding),

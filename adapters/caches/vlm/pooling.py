@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm
 
 from kvstate import PooledKV, StateError
-from kvstate.kinds import host_ints
+from kvstate.kinds import host_ints, trusted
 
 from ..compat import check_settled, refuse_mid_prompt
 from ..registry import fresh, register_from
@@ -26,7 +26,7 @@ _NO_LIMIT = 2**31  # BatchPoolingCache's per-row `_lengths` outside prepare() / 
 @register_from(vlm.PoolingCache)
 def _(cache: vlm.PoolingCache, appended: int = 0) -> PooledKV:
     check_settled(cache)
-    return PooledKV(
+    return trusted(PooledKV)(
         fresh(cache.buf_kv),
         fresh(cache.buf_gate),
         fresh(cache.pooled),
@@ -51,7 +51,7 @@ def _(cache: vlm.BatchPoolingCache, appended: int = 0) -> PooledKV:
             "accumulate_windows() and update_and_fetch() of one forward; convert after the "
             "forward"
         )
-    return PooledKV(
+    return trusted(PooledKV)(
         fresh(cache.buf_kv),
         fresh(cache.buf_gate),
         fresh(cache.pooled),

@@ -7,6 +7,7 @@ from typing import Any
 from mlx_vlm.models import cache as vlm
 
 from kvstate import StaticPrefixKV
+from kvstate.kinds import trusted
 
 from ..registry import fresh, register_from
 
@@ -14,7 +15,7 @@ from ..registry import fresh, register_from
 @register_from(vlm.StaticPrefixKVCache)
 def _(cache: vlm.StaticPrefixKVCache, appended: int = 0) -> StaticPrefixKV:
     # The whole allocation, stale entries past offset included: decoder_state reads it.
-    return StaticPrefixKV(
+    return trusted(StaticPrefixKV)(
         fresh(cache.keys),
         fresh(cache.values),
         max_size=int(cache.max_size),
