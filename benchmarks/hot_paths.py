@@ -14,6 +14,8 @@ versions alternate (old, new, new, old, ...), each timing every operation once, 
 shared machine hits both. Figures are medians over workers of new / old per-call time.
 
     .venv/bin/python benchmarks/hot_paths.py --against d37287d [--workers 8]
+    python3 benchmarks/hot_paths.py --against-tree DIR     # DIR: the earlier version's files
+                                                           # (a machine without git: the H200)
 """
 
 from __future__ import annotations
@@ -161,7 +163,9 @@ def use_adapters_of(source: str) -> None:
 
 
 def _run_worker(source: Path) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(source)}
+    # `source` first; what was on the path stays (MLX's own folder on the H200: /tmp/site).
+    path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     code = (
         "import sys, json; sys.path.insert(0, sys.argv[1]); import hot_paths; "
         "hot_paths.use_adapters_of(sys.argv[2]); print(json.dumps(hot_paths.worker()))"
@@ -181,9 +185,13 @@ def _run_worker(source: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="d37287d", help="the earlier commit")
+    parser.add_argument(
+        "--against-tree", type=Path, help="a folder holding the earlier version's files instead"
+    )
     parser.add_argument("--workers", type=int, default=8, help="worker processes per version")
     args = parser.parse_args()
-    old_tree = _export(args.against)
+    old_tree = args.against_tree or _export(args.against)
+    against = str(args.against_tree) if args.against_tree else args.against
     try:
         runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for i in range(args.workers):
@@ -192,10 +200,14 @@ def main() -> None:
                 runs[side].append(_run_worker(old_tree if side == "old" else ROOT))
             print(f"worker pair {i + 1}/{args.workers} done", file=sys.stderr)
     finally:
-        shutil.rmtree(old_tree.parent, ignore_errors=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                          capture_output=True).stdout.strip()  # fmt: skip
-    print(f"## hot paths: this checkout ({head}) vs {args.against}\n")
+        if not args.against_tree:
+            shutil.rmtree(old_tree.parent, ignore_errors=True)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True).stdout.strip()  # fmt: skip
+    except OSError:  # no git on this machine
+        head = ""
+    print(f"## hot paths: this checkout ({head or 'no git'}) vs {against}\n")
     print(f"{args.workers} worker pairs, alternating; medians over workers.\n")
     print("| operation | old us/call | new us/call | new / old [IQR of pairs] |")
     print("|---|---|---|---|")
