@@ -13,7 +13,14 @@ import kvstate as ks
 from kvstate import kinds
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
-from kvstate.speculative import ModelDrafter, NGramDrafter, Sampler, verify_paths, verify_tree
+from kvstate.speculative import (
+    ModelDrafter,
+    NGramDrafter,
+    Sampler,
+    generate,
+    verify_paths,
+    verify_tree,
+)
 
 PROMPT = [3, 17, 42, 99, 7]
 
@@ -50,6 +57,13 @@ def test_what_tree_verification_cannot_do_is_not_supported(llama):
     drafter.start([PROMPT, PROMPT])
     with pytest.raises(ks.NotSupportedError, match="tree drafting takes one row"):
         drafter.propose_tree(1, 2, Sampler())
+
+
+def test_an_unknown_tree_mode_is_bad_input_not_an_unsupported_request(llama):
+    m, _ = llama
+    with pytest.raises(ks.StateError, match="tree must be None, 'tree' or 'paths'") as e:
+        next(generate(m, [PROMPT], NGramDrafter(), tree="trees"))
+    assert not isinstance(e.value, ks.NotSupportedError)
 
 
 def test_a_kind_without_keep_path_cannot_keep_a_tree_path():

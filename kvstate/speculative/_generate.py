@@ -190,7 +190,7 @@ def _check_tree_mode(
 ) -> None:
     """Refuse the tree modes generate does not run (each refusal written here once)."""
     if tree not in TREE_MODES:
-        raise NotSupportedError(f"generate: tree must be None, 'tree' or 'paths'; got {tree!r}")
+        raise StateError(f"generate: tree must be None, 'tree' or 'paths'; got {tree!r}")
     if len(prompts) != 1:
         raise NotSupportedError(
             f"generate: tree verification takes one prompt; got {len(prompts)} (verify_tree "
