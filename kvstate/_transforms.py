@@ -118,7 +118,10 @@ def snapshot(state: S) -> S:
 
     States are immutable and adapters never hand their arrays to a model, so the state
     itself is already that value: O(1) time, zero bytes. Use it to say what you mean.
+    Anything else is refused: mlx-lm's cache objects, say, are mutable, and handing them back
+    as a "snapshot" would be a promise broken (convert them with `from_mlx_lm`).
     """
+    _state(state, "snapshot")
     return state
 
 

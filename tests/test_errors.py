@@ -39,6 +39,8 @@ def dense(length: int = 4, appended: int = 2) -> ks.DenseKV:
         (lambda: ks.merge(dense()), ks.StateError, "expected a list of states; got a DenseKV"),
         (lambda: ks.merge("ab"), ks.StateError, "expected a list of states; got a str"),
         (lambda: ks.merge([]), ks.StateError, "got no states"),
+        (lambda: ks.snapshot([KVCache()]), ks.StateError, "snapshot: .*from_mlx_lm"),
+        (lambda: ks.snapshot(None), ks.StateError, "snapshot: expected a kvstate state"),
         (lambda: ks.extend(dense(), KVCache()), ks.StateError, "extend: b: expected a kvstate"),
         (lambda: ks.quantize(dense(), bits=4.0), ks.ConfigMismatchError, "bits=4.0"),
         (lambda: ks.quantize(dense(), bits=True), ks.ConfigMismatchError, "bits=True"),
