@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvstate import NotSupportedError, TokenError
+from kvstate import NotSupportedError, StateError, TokenError
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.speculative import (
@@ -202,8 +202,10 @@ def test_logprobs_are_the_targets_at_each_emitted_token():
 def test_bad_tree_modes_are_refused():
     target = wrap(tiny_model("llama"))
     truth = [0] * 8
+    with pytest.raises(StateError, match="tree must be") as bad:  # bad input, not unsupported
+        next(generate(target, [PROMPT], ScriptedTreeDrafter(truth, 1.0), tree="trie"))
+    assert not isinstance(bad.value, NotSupportedError)
     cases: list[tuple[dict[str, Any], list[list[int]], Any, str]] = [
-        ({"tree": "trie"}, [PROMPT], ScriptedTreeDrafter(truth, 1.0), "tree must be"),
         ({"tree": "tree"}, [PROMPT, PROMPT], ScriptedTreeDrafter(truth, 1.0), "one prompt"),
         ({"tree": "paths"}, [PROMPT], ScriptedDrafter([truth], 1.0), "propose_tree"),
         ({"tree": "tree"}, [PROMPT], None, "propose_tree"),

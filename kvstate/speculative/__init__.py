@@ -47,6 +47,8 @@ from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
+from . import _values as values
+from ._checks import checked_step_prompt
 from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
@@ -57,12 +59,14 @@ from ._sampling import Sampler, Verdict, accept
 from ._target import ChainTarget, Target, TreeTarget
 from ._tree_verify import TreeVerdict, verify_tree
 from ._trees import tree_of_paths
+from ._values import DrafterError
 
 __all__ = [
     "ChainTarget",
     "DraftHead",
     "DraftTree",
     "Drafter",
+    "DrafterError",
     "MTPDrafter",
     "ModelDrafter",
     "NGramDrafter",
@@ -97,9 +101,12 @@ def speculative_generate_step(
     """mlx-lm's `speculative_generate_step` shape for one prompt: yields (token, logprobs,
     from_draft) per token. `target` is a wrapped model; `drafter` any Drafter (a
     `ModelDrafter(wrap(draft_model))` for mlx-lm's draft-model behaviour)."""
+    where = "speculative_generate_step"
+    values.integer(num_draft_tokens, f"{where}: num_draft_tokens", 1)
+    values.integer(max_tokens, f"{where}: max_tokens", 1)
     rounds = generate(
         target,
-        [prompt],
+        [checked_step_prompt(prompt)],
         drafter,
         k=num_draft_tokens,
         max_tokens=max_tokens,

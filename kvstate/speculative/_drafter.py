@@ -52,8 +52,13 @@ class Drafter(Protocol):
     Other drafters are called exactly as below (a drafter without the attribute counts as
     False)."""
 
-    def start(self, prompts: list[list[int]]) -> None:
-        """The generator prefilled these prompts (one per row) into the target."""
+    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
+        """The generator prefilled these prompts (one per row) into the target. `key`: the
+        drafter's own `mx.random.key`, split from the generator's seed apart from every key
+        the target draws with: a drafter that draws at random splits it for each draw, so
+        its drafts never share noise with the target's draws (exact sampling for every
+        seed). None: a drafter driven by hand, drawing from its own seed. (A drafter whose
+        `start` takes no `key` is started without one.)"""
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         """Up to `k` drafts per row (this round's depth), following each row's `last` token
@@ -76,7 +81,8 @@ class TreeDrafter(Protocol):
     `Drafter`. After a tree round `accept` gets the winning path, exactly as after a linear
     verify of that path."""
 
-    def start(self, prompts: list[list[int]]) -> None: ...
+    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
+        """As `Drafter.start`: `key` for any random choice of the tree (sampled branches)."""
 
     def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
         """Candidate continuations of `last` (which no state holds yet), of depth at most
