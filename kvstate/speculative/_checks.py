@@ -61,12 +61,16 @@ def checked_call(
     vocab = abilities.vocab_size
     rows = checked_prompts(prompts, vocab, where)
     checked_drafter(drafter, tree, where)
-    return Call(rows, sampler_of(sampler, f"{where}: sampler"), eos_of(eos, vocab, where), abilities)
+    return Call(
+        rows, sampler_of(sampler, f"{where}: sampler"), eos_of(eos, vocab, where), abilities
+    )
 
 
 def checked_target(target: Any, where: str) -> Abilities:
     """A `Target`: callable, with `init_state` (a wrapped model); its abilities."""
-    if isinstance(target, type) or not (callable(target) and callable(getattr(target, "init_state", None))):
+    if isinstance(target, type) or not (
+        callable(target) and callable(getattr(target, "init_state", None))
+    ):
         raise StateError(
             f"{where}: target must be a wrapped model (a Target: `logits, state = "
             f"target(tokens, state)` and `target.init_state(batch)`); got a "
@@ -130,9 +134,7 @@ def eos_of(eos: Any, vocab: int | None, where: str) -> tuple[int, ...]:
     if values.is_integer(eos):
         raise StateError(f"{where}: eos must be a list of token ids; got {eos!r}: pass [{eos}]")
     if not isinstance(eos, (list, tuple, set, frozenset, range, np.ndarray, mx.array)):
-        raise StateError(
-            f"{where}: eos must be a list of token ids (() for none); got {eos!r:.60}"
-        )
+        raise StateError(f"{where}: eos must be a list of token ids (() for none); got {eos!r:.60}")
     items = sorted(eos) if isinstance(eos, (set, frozenset)) else eos
     return tuple(values.ids(items, f"{where}: eos", vocab))
 
@@ -166,9 +168,7 @@ def start_keywords(drafter: Any, key: mx.array) -> dict[str, Any]:
         parameters = inspect.signature(drafter.start).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable: no signature to read
         return {}
-    takes = any(
-        p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
-    )
+    takes = any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
     return {"key": key} if takes else {}
 
 
@@ -209,10 +209,13 @@ class Drafts(NamedTuple):
     marks: mx.array | None
 
 
-def checked_proposal(proposal: Any, rows: int, asked: int, vocab: int) -> Drafts:
-    """A drafter's `Proposal` for `rows` rows after `propose(last, asked, ...)`, checked on
-    the host (type, counts, shapes, dtypes; ids given as lists or NumPy) and, for ids in an
-    mx.array, on the device (the marks). `vocab`: the target's vocabulary size."""
+def checked_proposal(proposal: Any, rows: int, asked: int, k: int, vocab: int) -> Drafts:
+    """A drafter's `Proposal` for `rows` rows after `propose(last, asked, ...)` in a
+    generation of `k`, checked on the host (type, counts, shapes, dtypes; ids given as lists
+    or NumPy) and, for ids in an mx.array, on the device (the marks). Counts up to `k` are
+    taken, cut to the `asked` the round verifies (a drafter may ignore the round's depth:
+    the drafts past it would only be cut from the output); past `k` they are refused.
+    `vocab`: the target's vocabulary size."""
     where = "generate: the drafter's proposal"
     if not isinstance(proposal, Proposal):
         raise DrafterError(
@@ -220,20 +223,27 @@ def checked_proposal(proposal: Any, rows: int, asked: int, vocab: int) -> Drafts
             f"{type(proposal).__name__}: return Proposal(...) from propose"
         )
     tokens, counts, probs = proposal
-    drafted = values.counts_of(counts, f"{where}: counts", rows, asked)
-    span = max(drafted) if drafted else 0
+    proposed = values.counts_of(counts, f"{where}: counts (drafts per row, at most k)", rows, k)
+    span = max(proposed) if proposed else 0
+    drafted = proposed if span <= asked else [min(c, asked) for c in proposed]
     limit = vocab
     if probs is not None:
         probs = _checked_probs(probs, rows, span, where)
         limit = probs.shape[-1]  # a padded draft vocabulary: ids the target lacks are rejected
     if isinstance(tokens, mx.array):
         tokens = _checked_shape(tokens, rows, span, where)
+        span = min(span, asked)
+        if probs is not None and probs.shape[1] != span:
+            probs = probs[:, :span]
         if span == 0:
             return Drafts(tokens, tokens, drafted, probs, None)
         tokens = tokens[:, :span]
         fed = mx.where((tokens < 0) | (tokens >= vocab), 0, tokens).astype(mx.int32)
         return Drafts(tokens, fed, drafted, probs, outside_ids(tokens, drafted, limit))
     host = _host_tokens(tokens, rows, span, where)
+    span = min(span, asked)
+    if probs is not None and probs.shape[1] != span:
+        probs = probs[:, :span]
     for b, (row, n) in enumerate(zip(host, drafted, strict=True)):
         outside = [t for t in row[:n] if not 0 <= t < limit]
         if outside:
@@ -289,29 +299,40 @@ def _checked_probs(probs: Any, rows: int, span: int, where: str) -> mx.array:
         )
     if not mx.issubdtype(probs.dtype, mx.floating):
         raise DrafterError(f"{where}: probs must be floats; got dtype {probs.dtype}")
-    return probs[:, :span] if probs.shape[1] != span else probs
+    return probs
 
 
-def checked_tree(tree: Any, asked: int) -> DraftTree:
-    """A tree drafter's `DraftTree` after `propose_tree(last, asked, ...)`: its type and
-    depth (the generator's tree round checks its ids and links)."""
+def checked_tree(tree: Any, asked: int, k: int) -> DraftTree:
+    """A tree drafter's `DraftTree` after `propose_tree(last, asked, ...)` in a generation
+    of `k`: its type and depth (the tree round checks its ids and links). A tree up to `k`
+    deep is taken, its nodes past `asked` dropped (as a linear proposal's are cut); a deeper
+    one is refused."""
     where = "generate: the drafter's tree"
     if not isinstance(tree, DraftTree):
         raise DrafterError(
             f"{where} must be a kvstate.speculative.DraftTree(tokens, parents); got a "
             f"{type(tree).__name__}: build one with DraftTree(*tree_of_paths(paths))"
         )
-    parents = tree.parents
-    if isinstance(parents, Sequence) and all(values.is_integer(p) for p in parents):
-        depth = [0] * len(parents)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 or p >= i else depth[p] + 1  # bad links: _trees refuses them
-        if depth and max(depth) > asked:
-            raise DrafterError(
-                f"{where} is {max(depth)} drafts deep; the round asked for at most {asked} "
-                "(propose_tree's k)"
-            )
-    return tree
+    tokens, parents = tree
+    if not (
+        isinstance(parents, Sequence)
+        and isinstance(tokens, Sequence)
+        and len(tokens) == len(parents)
+        and all(values.is_integer(p) and -1 <= p < i for i, p in enumerate(parents))
+    ):
+        return tree  # the tree round refuses it, naming what is wrong
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p == -1 else depth[p] + 1)
+    deepest = max(depth, default=0)
+    if deepest > k:
+        raise DrafterError(f"{where} is {deepest} drafts deep; generate's k is {k}")
+    if deepest <= asked:
+        return tree
+    # Parents come first, so a node past `asked` has every descendant past it too.
+    kept = [i for i, d in enumerate(depth) if d <= asked]
+    new = {old: i for i, old in enumerate(kept)}
+    return DraftTree([tokens[i] for i in kept], [new.get(parents[i], -1) for i in kept])
 
 
 def refused(error: StateError) -> StateError:
@@ -388,8 +409,8 @@ def checked_kept(fed: Any, kept: Any, rows: int, most: int, where: str) -> list[
     if not (isinstance(fed, mx.array) and fed.ndim == 2 and fed.shape[0] == rows):
         shown = f"shape {tuple(fed.shape)}" if isinstance(fed, mx.array) else type(fed).__name__
         raise StateError(
-            f"{where}: fed must be the verify's input, an mx.array ({rows}, 1 + span) (one row "
-            f"per row of the drafter's batch); got {shown}"
+            f"{where}: fed must be the verify's input, an mx.array ({rows}, 1 + span) (as many "
+            f"rows as the drafter's {rows} rows); got {shown}"
         )
     top = min(most, fed.shape[1])
     counts = values.counts_of(kept, f"{where}: kept", rows, top)

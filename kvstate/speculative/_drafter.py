@@ -17,14 +17,20 @@ from ._sampling import Sampler
 class Proposal(NamedTuple):
     """What a drafter proposes for each row of the batch.
 
-    tokens: (B, depth) int32 drafts, following each row's last token; positions past
-        `counts[b]` are filler the generator never accepts.
+    tokens: (B, depth) integer drafts, following each row's last token; positions past
+        `counts[b]` are filler the generator never accepts (nor checks). An mx.array (its
+        ids checked on the device, read with the round's verdict) or nested lists / NumPy
+        (checked on the host).
     counts: drafted[b], the drafts worth verifying in row b (0 .. depth); all zero means
-        "take a plain step".
+        "take a plain step". The generator verifies at most the depth it asked for (more,
+        up to its `k`, are cut; past `k` a `DrafterError`).
     probs: (B, depth, vocab) float32, the distribution each draft was drawn from (after the same
         sampler transforms as the target's), or None for drafts chosen deterministically (an
         n-gram lookup, greedy drafting): exact speculative sampling then treats each draft as
-        drawn from a point mass.
+        drawn from a point mass. A draft vocabulary padded wider than the target's is exact
+        (ids the target lacks are rejected), so is a narrower one; a counted draft id outside
+        it, probs that are not a distribution or give a draft 0 are refused (`TokenError`,
+        `DrafterError`).
     """
 
     tokens: mx.array

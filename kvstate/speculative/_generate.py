@@ -120,10 +120,11 @@ def generate(
         asked = min(depth, budget)
         if budget > 0 and tree is None:
             proposed = cast(Drafter, drafter).propose(live.last, asked, sampler)
-            proposal = checked_proposal(proposed, len(live.last), asked, vocab)
+            proposal = checked_proposal(proposed, len(live.last), asked, k, vocab)
         elif budget > 0:
             tree_drafter = cast(TreeDrafter, drafter)
-            candidates = checked_tree(tree_drafter.propose_tree(live.last[0], asked, sampler), asked)
+            proposed_tree = tree_drafter.propose_tree(live.last[0], asked, sampler)
+            candidates = checked_tree(proposed_tree, asked, k)
         key, sub = round_key(sampler, key)
         r: Round
         if candidates is not None and candidates.tokens:

@@ -16,7 +16,14 @@ import mlx.core as mx
 
 from .. import StateError, commit_prefix, filter, merge
 from . import _values as values
-from ._checks import checked_depth, checked_kept, checked_last, checked_prompts, checked_rows, checked_sampler
+from ._checks import (
+    checked_depth,
+    checked_kept,
+    checked_last,
+    checked_prompts,
+    checked_rows,
+    checked_sampler,
+)
 from ._drafter import Proposal
 from ._sampling import Sampler
 
@@ -91,7 +98,9 @@ class MTPDrafter:
             if not (isinstance(h, mx.array) and h.ndim == 3 and h.shape[:2] == (1, len(p)))
         ]
         if bad:
-            shapes = [tuple(hidden[i].shape) if isinstance(hidden[i], mx.array) else None for i in bad]
+            shapes = [
+                tuple(hidden[i].shape) if isinstance(hidden[i], mx.array) else None for i in bad
+            ]
             raise StateError(
                 f"MTPDrafter.start: hidden[{bad[0]}] must be (1, L, D) over its prompt of L "
                 f"tokens; got {shapes[:4]} for prompts {bad[:4]}"

@@ -9,7 +9,14 @@ import mlx.core as mx
 
 from .. import StateError, TokenError
 from . import _values as values
-from ._checks import checked_depth, checked_kept, checked_last, checked_prompts, checked_rows, started_rows
+from ._checks import (
+    checked_depth,
+    checked_kept,
+    checked_last,
+    checked_prompts,
+    checked_rows,
+    started_rows,
+)
 from ._drafter import DraftTree, Proposal
 from ._sampling import Sampler
 from ._trees import tree_of_paths
@@ -66,7 +73,9 @@ class NGramDrafter:
 
     def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
         if not values.is_integer(last):
-            raise TokenError(f"NGramDrafter.propose_tree: last must be an int token id; got {last!r}")
+            raise TokenError(
+                f"NGramDrafter.propose_tree: last must be an int token id; got {last!r}"
+            )
         last = self._checked("NGramDrafter.propose_tree", [last], k)[0]
         paths: list[list[int]] = []
         for found in self._matches(0, last, k):

@@ -245,9 +245,9 @@ def accept_columns(
     final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
     marks = marks + TARGET_NAN * mx.isnan(final).any(-1).astype(mx.int32)
     next_tokens = sampler.sample(final, key=keys[1])
-    return mx.concatenate(
-        [accepted[:, None], next_tokens[:, None], marks[:, None]], axis=1
-    ).astype(mx.int32)
+    return mx.concatenate([accepted[:, None], next_tokens[:, None], marks[:, None]], axis=1).astype(
+        mx.int32
+    )
 
 
 def _distribution_marks(probs: mx.array, q_draft: mx.array, counted: mx.array) -> mx.array:
@@ -276,7 +276,9 @@ def accept_greedy(scores: mx.array, drafts: mx.array, drafted: list[int]) -> Ver
     whose argmax is the target's pick. A draft is accepted while it is the target's argmax.
     One host sync for the whole batch; a counted draft outside 0..V-1 raises `TokenError`
     after it."""
-    rows, marks = greedy_picks(scores, drafts, drafted, outside_ids(drafts, drafted, scores.shape[-1]))
+    rows, marks = greedy_picks(
+        scores, drafts, drafted, outside_ids(drafts, drafted, scores.shape[-1])
+    )
     raise_marked(marks, _refusals(scores, drafts, None, drafted))
     return Verdict([r[0] for r in rows], [r[1 + r[0]] for r in rows])
 
@@ -327,7 +329,9 @@ def _checked_args(
             f"distributions; got {_described(target)}"
         )
     if not (isinstance(drafts, mx.array) and drafts.ndim == 2):
-        raise TokenError(f"accept: drafts must be an mx.array (B, span) of ids; got {_described(drafts)}")
+        raise TokenError(
+            f"accept: drafts must be an mx.array (B, span) of ids; got {_described(drafts)}"
+        )
     if not mx.issubdtype(drafts.dtype, mx.integer):
         raise TokenError(f"accept: drafts must be integer ids; got dtype {drafts.dtype}")
     rows, span = drafts.shape

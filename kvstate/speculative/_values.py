@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -97,7 +97,7 @@ def ids(x: Any, name: str, vocab: int | None) -> list[int]:
                 f"{name} must be a 1-d array of integer ids; got an mx.array of shape "
                 f"{tuple(x.shape)} and dtype {x.dtype}"
             )
-        values = [int(v) for v in x.tolist()]  # type: ignore[union-attr]
+        values = [int(v) for v in cast(list[int], x.tolist())]
     elif isinstance(x, np.ndarray):
         if x.ndim != 1 or x.dtype.kind not in "iu":
             raise TokenError(
@@ -117,8 +117,7 @@ def ids(x: Any, name: str, vocab: int | None) -> list[int]:
             values = [int(v) for v in values]
     else:
         raise TokenError(
-            f"{name} must be a list or 1-d array of token ids; got {_short(x)} "
-            f"({type(x).__name__})"
+            f"{name} must be a list or 1-d array of token ids; got {_short(x)} ({type(x).__name__})"
         )
     top = INT32_LIMIT if vocab is None else vocab
     if values and (min(values) < 0 or max(values) >= top):
