@@ -215,6 +215,7 @@ def _encode(node: Any, path: tuple[str, ...], arrays: dict[str, mx.array]) -> An
             f"hold arrays, None, tuples, lists and the registered kinds {_kind_names()}"
         )
     statics = {}
+    defaults = {f.name: f.default for f in attrs.fields(cls)}
     for name in cls.__kvstate_statics__:
         value = getattr(node, name)
         if not isinstance(value, _STATIC_TYPES):
@@ -222,6 +223,12 @@ def _encode(node: Any, path: tuple[str, ...], arrays: dict[str, mx.array]) -> An
                 f"save: static field {cls.__name__}.{name} at {'.'.join(path) or 'the root'} "
                 f"is a {type(value).__name__} ({value!r}); statics must be bool, int, float, "
                 "str or None (use int(x) for numpy scalars)"
+            )
+        if not _fits(value, defaults[name]):  # load would refuse it
+            raise ShapeError(
+                f"save: static field {cls.__name__}.{name} at {'.'.join(path) or 'the root'} "
+                f"is {value!r}, not a {type(defaults[name]).__name__}; give it a "
+                f"{type(defaults[name]).__name__} (load refuses any other type)"
             )
         statics[name] = value
     kids = {

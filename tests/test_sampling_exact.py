@@ -35,8 +35,8 @@ import pytest
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import (
-    MTPDrafter,
     ModelDrafter,
+    MTPDrafter,
     NGramDrafter,
     Sampler,
     generate,

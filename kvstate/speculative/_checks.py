@@ -99,7 +99,9 @@ def checked_prompts(prompts: Any, vocab: int | None, where: str) -> list[list[in
             f"{tuple(prompts.shape)}"
         )
     if len(prompts) == 0:
-        raise TokenError(f"{where}: give at least one prompt, each with at least one token")
+        raise TokenError(
+            f"{where}: prompts is empty; give at least one prompt, each with at least one token"
+        )
     if isinstance(prompts, (list, tuple)) and all(values.is_integer(p) for p in prompts):
         raise TokenError(
             f"{where}: prompts must be a list of prompts (rows); got one flat list of ids "

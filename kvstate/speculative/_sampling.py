@@ -377,7 +377,8 @@ def _refusals(
 
     def ids(rows: list[int]) -> str:
         return (
-            f"accept: drafts hold ids outside 0..{width - 1} ({counted(rows)}); a draft must "
+            f"accept: drafts (a proposal's tokens) hold ids outside 0..{width - 1} "
+            f"({counted(rows)}); a draft must "
             + ("be a token id of the target's vocabulary" if draft_probs is None else
                "be an id its draft_probs cover")
         )  # fmt: skip
@@ -386,14 +387,16 @@ def _refusals(
         assert draft_probs is not None
         sums = draft_probs[mx.array(rows[:4]), :].sum(-1).tolist()
         return (
-            f"accept: draft_probs of rows {rows[:8]} are not distributions (sums per draft "
+            f"accept: draft_probs (a proposal's probs) of rows {rows[:8]} are not "
+            f"distributions (sums per draft "
             f"{sums}, or negative or NaN entries): give each draft's probabilities (B, span, "
             "vocab), non-negative and summing to 1, or None for drafts chosen deterministically"
         )
 
     def unlikely(rows: list[int]) -> str:
         return (
-            f"accept: draft_probs give probability 0 to drafts they were drawn from "
+            f"accept: draft_probs (a proposal's probs) give probability 0 to drafts they "
+            f"were drawn from "
             f"({counted(rows)}): a draft must be drawn from its own distribution"
         )
 
