@@ -22,7 +22,7 @@ import numpy as np
 from .. import RowError, StateError, TokenError
 from . import _values as values
 from ._drafter import DraftTree, Proposal
-from ._sampling import Sampler, outside_ids
+from ._sampling import Sampler
 from ._target import Abilities
 from ._values import DrafterError
 
@@ -240,8 +240,8 @@ def checked_proposal(proposal: Any, rows: int, asked: int, k: int, vocab: int) -
         if span == 0:
             return Drafts(tokens, tokens, drafted, probs, None)
         tokens = tokens[:, :span]
-        fed = mx.where((tokens < 0) | (tokens >= vocab), 0, tokens).astype(mx.int32)
-        return Drafts(tokens, fed, drafted, probs, outside_ids(tokens, drafted, limit))
+        fed, marks = _guarded(tokens, mx.array(drafted), vocab, limit)
+        return Drafts(tokens, fed, drafted, probs, marks)
     host = _host_tokens(tokens, rows, span, where)
     span = min(span, asked)
     if probs is not None and probs.shape[1] != span:
@@ -256,6 +256,20 @@ def checked_proposal(proposal: Any, rows: int, asked: int, k: int, vocab: int) -
     ids = mx.array([r[:span] for r in host], mx.int32)
     fed = ids if limit <= vocab else mx.where(ids >= vocab, 0, ids)
     return Drafts(ids, fed, drafted, probs, None)
+
+
+@mx.compile
+def _guarded(
+    ids: mx.array, counts: mx.array, vocab: int, limit: int
+) -> tuple[mx.array, mx.array]:
+    """`ids` (B, span) as the verify feeds them, int32 with ids outside 0..vocab-1 as 0,
+    and (B,) int32 `DRAFT_ID` marks of rows with a counted id (position < counts[b])
+    outside 0..limit-1 (compared in the ids' own dtype). Compiled (`vocab` and `limit`
+    constants of it, one per model): one fused kernel on every round, no read."""
+    outside = (ids < 0) | (ids >= limit)
+    fed = mx.where(outside | (ids >= vocab), 0, ids).astype(mx.int32)
+    counted = mx.arange(ids.shape[1])[None] < counts[:, None]
+    return fed, values.DRAFT_ID * (outside & counted).any(1).astype(mx.int32)
 
 
 def _checked_shape(tokens: mx.array, rows: int, span: int, where: str) -> mx.array:
