@@ -10,6 +10,7 @@ versions alternate (old, new, new, old, ...), as in benchmarks/hot_paths.py, who
 this reuses; figures are medians over workers of new / old.
 
     .venv/bin/python benchmarks/probes/speculative_round.py --against 101a23c [--workers 6]
+    python3 benchmarks/probes/speculative_round.py --against-tree DIR   # a machine without git
 """
 
 from __future__ import annotations
@@ -82,9 +83,13 @@ def _run_worker(source: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="101a23c", help="the earlier commit")
+    parser.add_argument(
+        "--against-tree", type=Path, help="a folder holding the earlier version's files instead"
+    )
     parser.add_argument("--workers", type=int, default=6, help="worker processes per version")
     args = parser.parse_args()
-    old_tree = _export(args.against)
+    old_tree = args.against_tree or _export(args.against)
+    against = str(args.against_tree) if args.against_tree else args.against
     try:
         runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for i in range(args.workers):
@@ -92,8 +97,9 @@ def main() -> None:
                 runs[side].append(_run_worker(old_tree if side == "old" else ROOT))
             print(f"worker pair {i + 1}/{args.workers} done", file=sys.stderr)
     finally:
-        shutil.rmtree(old_tree.parent, ignore_errors=True)
-    print(f"## speculative round: this checkout vs {args.against}\n")
+        if not args.against_tree:
+            shutil.rmtree(old_tree.parent, ignore_errors=True)
+    print(f"## speculative round: this checkout vs {against}\n")
     print("| configuration | old us/round | new us/round | new / old [IQR of pairs] |")
     print("|---|---|---|---|")
     for name in runs["new"][0]:

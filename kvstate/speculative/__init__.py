@@ -9,8 +9,12 @@
             print(t.row, t.token, t.from_draft)
 
 Works on every model kvstate wraps (hybrid and recurrent ones roll back from the verify's
-checkpoints), batched with ragged acceptance, greedy or with exact speculative sampling.
-The target is anything with the `Target` protocol (a wrapped model is one).
+checkpoints), batched with ragged acceptance, greedy or with exact speculative sampling:
+exact for every seed, since the generator's seed is split into the target's key and the
+drafter's (`Drafter.start(prompts, key=...)`) and no two draws share a key (`_sampling`).
+The target is anything with the `Target` protocol (a wrapped model is one). Every argument,
+and what a drafter returns each round, is checked (`_checks`): a `StateError` subclass
+naming what is wrong (`DrafterError` for a drafter's output the round cannot verify).
 
 A round has four phases: propose (the drafter drafts after each row's last token), verify
 (one forward of the target over the last tokens and the drafts), accept (each row's longest
