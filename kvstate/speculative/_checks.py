@@ -259,9 +259,7 @@ def checked_proposal(proposal: Any, rows: int, asked: int, k: int, vocab: int) -
 
 
 @mx.compile
-def _guarded(
-    ids: mx.array, counts: mx.array, vocab: int, limit: int
-) -> tuple[mx.array, mx.array]:
+def _guarded(ids: mx.array, counts: mx.array, vocab: int, limit: int) -> tuple[mx.array, mx.array]:
     """`ids` (B, span) as the verify feeds them, int32 with ids outside 0..vocab-1 as 0,
     and (B,) int32 `DRAFT_ID` marks of rows with a counted id (position < counts[b])
     outside 0..limit-1 (compared in the ids' own dtype). Compiled (`vocab` and `limit`
