@@ -39,7 +39,7 @@ import numpy as np
 
 from ._errors import FileFormatError, NotSupportedError, ShapeError, StateError
 from ._io_mlx_lm import is_mlx_lm_file, load_mlx_lm
-from ._placement import check_rank
+from ._placement import check_rank, checked_group
 from ._tree import is_state, rebuild
 from ._validation import check
 from .kinds import kind_named, kinds
@@ -63,6 +63,16 @@ _STATIC_TYPES = (bool, int, float, str, type(None))
 _MAX_HEADER = 100_000_000  # the safetensors limit on the JSON header
 
 
+# A path `save` cannot write to is bad input (a StateError) and the OS error it would be
+# (callers may catch either), as `io.UnsupportedOperation` is both an OSError and a ValueError.
+class _MissingDirectory(StateError, FileNotFoundError):
+    """save: the file's directory does not exist."""
+
+
+class _IsADirectory(StateError, IsADirectoryError):
+    """save: the path is a directory."""
+
+
 # ---------------------------------------------------------------------------- public API
 
 
@@ -73,9 +83,13 @@ def save(
     safetensors file, with `metadata` (str -> str) stored alongside.
 
     Every array is saved whole (capacity included), bit for bit; every static, None child
-    and tuple is recorded, so `load(path)` rebuilds an identical state. The file appears
-    atomically: a crash mid-write never leaves a truncated file at `path`.
+    and tuple is recorded, so `load(path)` rebuilds an identical state. Before anything is
+    written, the description and arrays go through the checks `load` runs (`kvstate.check`
+    with values, the statics' types): a state `load` would refuse raises here
+    (`ShapeError` naming the field) and no file is written. The file appears atomically: a
+    crash mid-write never leaves a truncated file at `path`.
     """
+    path = _checked_path(path, "save")
     user = _check_user_metadata(metadata)
     if not (is_state(state) or isinstance(state, (tuple, list))):
         raise StateError(
@@ -86,6 +100,7 @@ def save(
     arrays: dict[str, mx.array] = {}
     tree = _encode(state, (), arrays)
     mx.eval(list(arrays.values()))
+    _check_readable(path, tree, arrays)
     specs = {
         name: {"dtype": _dtype_name(a, name), "shape": list(a.shape), "sha256": _digest(a)}
         for name, a in arrays.items()
@@ -113,7 +128,8 @@ def load(path: str | os.PathLike[str], *, return_metadata: bool = False, group: 
     hold this rank's state, saved by a run of the same world size (`PlacementError` if not).
     Without `group` any rank's file loads (to gather them in one process, for instance).
     """
-    path = os.fspath(path)
+    path = _checked_path(path, "load")
+    checked_group(group, "load")
     meta = _read_header(path)
     if _FORMAT_KEY in meta:
         state, user = _load_kvstate(path, meta)
@@ -133,6 +149,34 @@ def load(path: str | os.PathLike[str], *, return_metadata: bool = False, group: 
 
 
 # ---------------------------------------------------------------------------- saving
+
+
+def _checked_path(path: Any, where: str) -> str:
+    """A file path (str or os.PathLike) as a str."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise StateError(
+            f"{where}: path must be a str or os.PathLike file path; got {path!r:.60} "
+            f"({type(path).__name__})"
+        )
+    text = os.fspath(path)
+    if not isinstance(text, str):  # a bytes path
+        raise StateError(f"{where}: path must be a str file path; got {text!r:.60}")
+    return text
+
+
+def _check_readable(path: str, tree: Any, arrays: dict[str, mx.array]) -> None:
+    """Refuse to write what `load` would refuse: the state rebuilt from its description
+    (through JSON, as `load` reads it) passes the same checks, or `ShapeError` names what
+    does not (nothing is written)."""
+    try:
+        rebuilt = _decode(path, json.loads(json.dumps(tree)), arrays, set(), 0)
+        _check_loaded(path, rebuilt)
+    except FileFormatError as e:
+        text = str(e).replace(f"{path!r} holds an inconsistent state: ", "")
+        raise ShapeError(
+            f"save: not writing {path!r}: load would refuse the file: {text}. Build the state "
+            "with the transforms or from model caches (kvstate.adapters), or fix the fields named"
+        ) from None
 
 
 def _check_user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -171,6 +215,7 @@ def _encode(node: Any, path: tuple[str, ...], arrays: dict[str, mx.array]) -> An
             f"hold arrays, None, tuples, lists and the registered kinds {_kind_names()}"
         )
     statics = {}
+    defaults = {f.name: f.default for f in attrs.fields(cls)}
     for name in cls.__kvstate_statics__:
         value = getattr(node, name)
         if not isinstance(value, _STATIC_TYPES):
@@ -178,6 +223,12 @@ def _encode(node: Any, path: tuple[str, ...], arrays: dict[str, mx.array]) -> An
                 f"save: static field {cls.__name__}.{name} at {'.'.join(path) or 'the root'} "
                 f"is a {type(value).__name__} ({value!r}); statics must be bool, int, float, "
                 "str or None (use int(x) for numpy scalars)"
+            )
+        if not _fits(value, defaults[name]):  # load would refuse it
+            raise ShapeError(
+                f"save: static field {cls.__name__}.{name} at {'.'.join(path) or 'the root'} "
+                f"is {value!r}, not a {type(defaults[name]).__name__}; give it a "
+                f"{type(defaults[name]).__name__} (load refuses any other type)"
             )
         statics[name] = value
     kids = {
@@ -208,7 +259,9 @@ def _sha256(data: Any) -> str:
 def _write_atomically(path: str, arrays: dict[str, mx.array], header: dict[str, str]) -> None:
     directory, base = os.path.split(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"save: directory {directory!r} does not exist; create it first")
+        raise _MissingDirectory(f"save: directory {directory!r} does not exist; create it first")
+    if os.path.isdir(path):
+        raise _IsADirectory(f"save: {path!r} is a directory; give the path of a file")
     # mlx appends ".safetensors" to names without it; give the temporary name that suffix.
     tmp = os.path.join(directory, f".{base}.{uuid.uuid4().hex}.tmp.safetensors")
     try:

@@ -15,7 +15,8 @@ from typing import Any
 
 import attrs
 
-from ._errors import PlacementError
+from ._errors import PlacementError, StateError
+from ._ints import is_int
 
 SCHEMES = ("tensor", "pipeline")
 _TEXT = re.compile(r"(tensor|pipeline) rank (\d+) of (\d+)(?:, layers (\d+):(\d+) of (\d+|\?))?")
@@ -40,13 +41,23 @@ class Placement:
         problems = []
         if self.scheme not in SCHEMES:
             problems.append(f"scheme {self.scheme!r} is not one of {SCHEMES}")
-        if not (isinstance(self.size, int) and isinstance(self.rank, int)):
+        if not (is_int(self.size) and is_int(self.rank)):
             problems.append(f"rank and size must be ints; got {self.rank!r}, {self.size!r}")
         elif not 0 <= self.rank < self.size:
             problems.append(f"rank {self.rank} is outside 0..{self.size - 1}")
+        if self.total_layers is not None and not (
+            is_int(self.total_layers) and self.total_layers > 0
+        ):
+            problems.append(f"total_layers must be None or an int >= 1; got {self.total_layers!r}")
         if (self.scheme == "pipeline") != (self.layers is not None):
             problems.append("a pipeline placement gives its layers, a tensor placement does not")
-        if self.layers is not None:
+        if self.layers is not None and not (
+            isinstance(self.layers, tuple)
+            and len(self.layers) == 2
+            and all(map(is_int, self.layers))
+        ):
+            problems.append(f"layers must be a (start, stop) pair of ints; got {self.layers!r}")
+        elif self.layers is not None and not problems:
             start, stop = self.layers
             if not 0 <= start < stop or (
                 self.total_layers is not None and stop > self.total_layers
@@ -82,6 +93,18 @@ class Placement:
 def placement_of(state: Any) -> Placement | None:
     """The placement a state records (None: a single-process state, or not a ModelState)."""
     return Placement.parse(getattr(state, "placement", ""))
+
+
+def checked_group(group: Any, where: str) -> Any:
+    """An `mx.distributed.Group` (anything with `rank()` and `size()`), or None."""
+    if group is not None and not (
+        callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))
+    ):
+        raise StateError(
+            f"{where}: group must be an mx.distributed.Group (mx.distributed.init()) or None; "
+            f"got {group!r:.60}"
+        )
+    return group
 
 
 def check_rank(state: Any, rank: int, size: int, where: str) -> None:

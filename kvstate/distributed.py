@@ -28,8 +28,9 @@ import mlx.core as mx
 import numpy as np
 
 from ._composite import ListState, ModelState
-from ._errors import DivergenceError, NotSupportedError, PlacementError
-from ._placement import Placement, placement_of
+from ._errors import DivergenceError, NotSupportedError, PlacementError, StateError
+from ._ints import is_int
+from ._placement import Placement, checked_group, placement_of
 from ._recurrent import RecurrentState
 from ._tree import State, rebuild, statics, trusted
 from .kinds import Composite, batch_size_of, with_parts
@@ -61,7 +62,8 @@ def agree(values: Sequence[int], group: Any = None, *, what: str = "values") -> 
     the error path only). A group of one process (or `group=None` outside `mlx.launch`)
     costs nothing. Every rank must call it at the same point, like any collective.
     """
-    ints = [int(v) for v in values]
+    ints = _checked_values(values, what)
+    group = checked_group(group, "agree")
     group = group if group is not None else mx.distributed.init()
     size = group.size()
     if size == 1:
@@ -85,6 +87,18 @@ def agree(values: Sequence[int], group: Any = None, *, what: str = "values") -> 
         "Every rank must make the same decision: give every rank the same prompts, drafter, "
         "sampler and seed. kvstate stops here instead of letting the ranks' states diverge"
     )
+
+
+def _checked_values(values: Any, what: str) -> list[int]:
+    """`agree`'s values: a list, tuple or 1-d integer array of ints (never bools or floats)."""
+    if isinstance(values, (mx.array, np.ndarray)) and values.ndim == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise StateError(f"agree: values ({what}) must be a list of ints; got {values!r:.60}")
+    bad = [v for v in values if not is_int(v)]
+    if bad:
+        raise StateError(f"agree: values ({what}) must be ints; got {bad[:4]!r} in {values!r:.60}")
+    return [int(v) for v in values]
 
 
 def group_of(target: object) -> Any:
@@ -112,6 +126,15 @@ def _all_gather_rows(row: list[int], group: Any) -> list[list[int]]:
 
 def with_placement(state: ModelState, placement: Placement | None) -> ModelState:
     """`state` recorded as holding `placement`'s part of a model (None: a single process)."""
+    if not isinstance(state, ModelState):
+        raise PlacementError(
+            f"with_placement: state must be a ModelState; got {type(state).__name__}"
+        )
+    if placement is not None and not isinstance(placement, Placement):
+        raise PlacementError(
+            f"with_placement: placement must be a Placement or None; got {placement!r:.60} "
+            "(Placement.parse(text) reads one from its text)"
+        )
     text = "" if placement is None else str(placement)
     if placement is not None and placement.layers is not None:
         start, stop = placement.layers
@@ -160,7 +183,7 @@ def scatter(state: ModelState, placements: Sequence[Placement]) -> list[ModelSta
             "scatter: expected a single-process ModelState (placement ''); got "
             f"{getattr(state, 'placement', type(state).__name__)!r}"
         )
-    placed = list(placements)
+    placed = _checked_placements(placements)
     _check_group([(p, None) for p in placed])
     out: list[ModelState] = []
     for p in placed:
@@ -181,6 +204,23 @@ def scatter(state: ModelState, placements: Sequence[Placement]) -> list[ModelSta
     if placed and placed[0].scheme == "pipeline":
         _check_pipeline_cover(placed, len(state.layers))
     return out
+
+
+def _checked_placements(placements: Any) -> list[Placement]:
+    """`scatter`'s placements: a non-empty list of Placement, one per rank."""
+    if not isinstance(placements, (list, tuple)) or not placements:
+        raise PlacementError(
+            f"scatter: placements must be a non-empty list of Placement, one per rank; got "
+            f"{placements!r:.60}"
+        )
+    bad = [p for p in placements if not isinstance(p, Placement)]
+    if bad:
+        raise PlacementError(
+            f"scatter: placements must be Placement objects; got {bad[0]!r:.60} (a "
+            f"{type(bad[0]).__name__}): build them with Placement(scheme, rank, size) or "
+            "Placement.parse(text)"
+        )
+    return list(placements)
 
 
 def _by_rank(states: Sequence[ModelState]) -> tuple[list[ModelState], list[Placement]]:

@@ -11,7 +11,6 @@ from mlx_lm.generate import _merge_caches, _right_pad_prompts, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters.tiny_models import VOCAB
 from kvstate.speculative import Proposal, Sampler
 
 
@@ -145,7 +144,8 @@ class ScriptedDrafter:
         drafts = []
         for row, at in zip(self.rows, self.emitted, strict=True):
             true = (self.truth[row] + [0] * (k + 1))[at : at + k]
-            drafts.append([t if self.rng.random() < self.p else (t + 1) % VOCAB for t in true])
+            # A wrong token inside any vocabulary that holds the true one.
+            drafts.append([t if self.rng.random() < self.p else (t - 1 if t else 1) for t in true])
         return Proposal(mx.array(drafts, mx.int32), [k] * len(drafts), None)
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:

@@ -202,9 +202,9 @@ def test_logprobs_are_the_targets_at_each_emitted_token():
 def test_bad_tree_modes_are_refused():
     target = wrap(tiny_model("llama"))
     truth = [0] * 8
-    with pytest.raises(StateError, match="tree must be") as e:  # a typo: bad input
+    with pytest.raises(StateError, match="tree must be") as bad:  # bad input, not unsupported
         next(generate(target, [PROMPT], ScriptedTreeDrafter(truth, 1.0), tree="trie"))
-    assert not isinstance(e.value, NotSupportedError)
+    assert not isinstance(bad.value, NotSupportedError)
     cases: list[tuple[dict[str, Any], list[list[int]], Any, str]] = [
         ({"tree": "tree"}, [PROMPT, PROMPT], ScriptedTreeDrafter(truth, 1.0), "one prompt"),
         ({"tree": "paths"}, [PROMPT], ScriptedDrafter([truth], 1.0), "propose_tree"),

@@ -9,8 +9,12 @@
             print(t.row, t.token, t.from_draft)
 
 Works on every model kvstate wraps (hybrid and recurrent ones roll back from the verify's
-checkpoints), batched with ragged acceptance, greedy or with exact speculative sampling.
-The target is anything with the `Target` protocol (a wrapped model is one).
+checkpoints), batched with ragged acceptance, greedy or with exact speculative sampling:
+exact for every seed, since the generator's seed is split into the target's key and the
+drafter's (`Drafter.start(prompts, key=...)`) and no two draws share a key (`_sampling`).
+The target is anything with the `Target` protocol (a wrapped model is one). Every argument,
+and what a drafter returns each round, is checked (`_checks`): a `StateError` subclass
+naming what is wrong (`DrafterError` for a drafter's output the round cannot verify).
 
 A round has four phases: propose (the drafter drafts after each row's last token), verify
 (one forward of the target over the last tokens and the drafts), accept (each row's longest
@@ -47,6 +51,8 @@ from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
+from . import _values as values
+from ._checks import checked_step_prompt
 from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
 from ._model_drafter import ModelDrafter
@@ -57,12 +63,14 @@ from ._sampling import Sampler, Verdict, accept
 from ._target import ChainTarget, Target, TreeTarget
 from ._tree_verify import TreeVerdict, verify_tree
 from ._trees import tree_of_paths
+from ._values import DrafterError
 
 __all__ = [
     "ChainTarget",
     "DraftHead",
     "DraftTree",
     "Drafter",
+    "DrafterError",
     "MTPDrafter",
     "ModelDrafter",
     "NGramDrafter",
@@ -97,9 +105,12 @@ def speculative_generate_step(
     """mlx-lm's `speculative_generate_step` shape for one prompt: yields (token, logprobs,
     from_draft) per token. `target` is a wrapped model; `drafter` any Drafter (a
     `ModelDrafter(wrap(draft_model))` for mlx-lm's draft-model behaviour)."""
+    where = "speculative_generate_step"
+    values.integer(num_draft_tokens, f"{where}: num_draft_tokens", 1)
+    values.integer(max_tokens, f"{where}: max_tokens", 1)
     rounds = generate(
         target,
-        [prompt],
+        [checked_step_prompt(prompt)],
         drafter,
         k=num_draft_tokens,
         max_tokens=max_tokens,

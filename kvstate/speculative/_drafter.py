@@ -17,14 +17,20 @@ from ._sampling import Sampler
 class Proposal(NamedTuple):
     """What a drafter proposes for each row of the batch.
 
-    tokens: (B, depth) int32 drafts, following each row's last token; positions past
-        `counts[b]` are filler the generator never accepts.
+    tokens: (B, depth) integer drafts, following each row's last token; positions past
+        `counts[b]` are filler the generator never accepts (nor checks). An mx.array (its
+        ids checked on the device, read with the round's verdict) or nested lists / NumPy
+        (checked on the host).
     counts: drafted[b], the drafts worth verifying in row b (0 .. depth); all zero means
-        "take a plain step".
+        "take a plain step". The generator verifies at most the depth it asked for (more,
+        up to its `k`, are cut; past `k` a `DrafterError`).
     probs: (B, depth, vocab) float32, the distribution each draft was drawn from (after the same
         sampler transforms as the target's), or None for drafts chosen deterministically (an
         n-gram lookup, greedy drafting): exact speculative sampling then treats each draft as
-        drawn from a point mass.
+        drawn from a point mass. A draft vocabulary padded wider than the target's is exact
+        (ids the target lacks are rejected), so is a narrower one; a counted draft id outside
+        it, probs that are not a distribution or give a draft 0 are refused (`TokenError`,
+        `DrafterError`).
     """
 
     tokens: mx.array
@@ -52,8 +58,13 @@ class Drafter(Protocol):
     Other drafters are called exactly as below (a drafter without the attribute counts as
     False)."""
 
-    def start(self, prompts: list[list[int]]) -> None:
-        """The generator prefilled these prompts (one per row) into the target."""
+    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
+        """The generator prefilled these prompts (one per row) into the target. `key`: the
+        drafter's own `mx.random.key`, split from the generator's seed apart from every key
+        the target draws with: a drafter that draws at random splits it for each draw, so
+        its drafts never share noise with the target's draws (exact sampling for every
+        seed). None: a drafter driven by hand, drawing from its own seed. (A drafter whose
+        `start` takes no `key` is started without one.)"""
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         """Up to `k` drafts per row (this round's depth), following each row's `last` token
@@ -76,7 +87,8 @@ class TreeDrafter(Protocol):
     `Drafter`. After a tree round `accept` gets the winning path, exactly as after a linear
     verify of that path."""
 
-    def start(self, prompts: list[list[int]]) -> None: ...
+    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
+        """As `Drafter.start`: `key` for any random choice of the tree (sampled branches)."""
 
     def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
         """Candidate continuations of `last` (which no state holds yet), of depth at most

@@ -15,9 +15,10 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .. import NotSupportedError, StateError, TokenError, capabilities, filter
+from .. import NotSupportedError, StateError, capabilities, filter
 from ..distributed import agree
 from ..kinds import host_ints
+from ._checks import checked_call, checked_proposal, checked_tree, start_keywords
 from ._drafter import Drafter, TreeDrafter, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
 from ._linear_round import linear_round, plain_step
@@ -25,8 +26,8 @@ from ._plain import decode
 from ._prefill import prefill
 from ._replay import commit_may_be_refused
 from ._round import Round, RoundPlan
-from ._sampling import Sampler, draw, round_key
-from ._target import Abilities, Target
+from ._sampling import Sampler, draw, generation_keys, round_key
+from ._target import Target
 from ._tree_round import TREE_MODES, tree_round
 
 
@@ -59,17 +60,24 @@ def generate(
     tree attention mask, "paths" as a batch of the tree's root-to-leaf paths. Greedy keeps the
     longest agreeing path; sampling stays exact (each draft is tried as a point mass, the
     target's distribution renormalised past the rejected siblings).
+
+    `seed` (an int in 0..2**64-1): the randomness of a sampled generation, which it fixes
+    whole. Its key is split into the target's and the drafter's (`Drafter.start(..., key=)`),
+    so no draft shares noise with a draw of the target, and sampling is exact for every seed
+    and every drafter's own seed (which applies only to a drafter driven by hand).
+
+    Every argument is checked before anything runs (prompt ids against the target's
+    vocabulary, a `TokenError`), and so is what the drafter returns each round (a
+    `DrafterError` or `TokenError` naming what is wrong): on the host where it already is,
+    on the device with the round's one read where it is not.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise TokenError("generate: give at least one prompt, each with at least one token")
-    if k < 1 or max_tokens < 1:
-        raise StateError(f"generate: k and max_tokens must be >= 1; got {k}, {max_tokens}")
-    sampler = sampler or Sampler()
+    call = checked_call(target, prompts, drafter, k=k, max_tokens=max_tokens, sampler=sampler,
+                        eos=eos, adaptive=adaptive, seed=seed, tree=tree)  # fmt: skip
+    prompts, sampler, eos, abilities = call
     hidden = uses_hidden(drafter)  # MTP heads also get the target's final hidden states
     if tree is not None:
         _check_tree_mode(tree, prompts, drafter, hidden)
-    key = mx.random.key(seed)
-    abilities = Abilities.of(target)
+    key, drafter_key = generation_keys(seed)  # never the same noise for target and drafter
     group = abilities.group  # a distributed model's ranks must decide alike; None: one process
     if drafter is None:
         yield from decode(
@@ -77,7 +85,9 @@ def generate(
         )
         return
     logits, state, hiddens = prefill(target, prompts, hidden)
-    drafter.start([list(p) for p in prompts], **({"hidden": hiddens} if hidden else {}))
+    vocab = abilities.vocab_size or logits.shape[-1]
+    extra = start_keywords(drafter, drafter_key) | ({"hidden": hiddens} if hidden else {})
+    drafter.start([list(p) for p in prompts], **extra)
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints (a verify of attention-only targets skips them),
     # and whether a commit can be refused (pooled windows: each verify then keeps the state
@@ -107,16 +117,18 @@ def generate(
         # at most the tokens still wanted): near the end the rounds narrow.
         budget = max(max_tokens - e for e in live.emitted) - 1
         proposal = candidates = None
+        asked = min(depth, budget)
         if budget > 0 and tree is None:
-            proposal = cast(Drafter, drafter).propose(live.last, min(depth, budget), sampler)
+            proposed = cast(Drafter, drafter).propose(live.last, asked, sampler)
+            proposal = checked_proposal(proposed, len(live.last), asked, k, vocab)
         elif budget > 0:
             tree_drafter = cast(TreeDrafter, drafter)
-            candidates = tree_drafter.propose_tree(live.last[0], min(depth, budget), sampler)
+            proposed_tree = tree_drafter.propose_tree(live.last[0], asked, sampler)
+            candidates = checked_tree(proposed_tree, asked, k)
         key, sub = round_key(sampler, key)
         r: Round
         if candidates is not None and candidates.tokens:
             assert tree is not None
-            vocab = abilities.vocab_size
             live.state, r = tree_round(
                 tree, target, live.take(), live.last[0], candidates, sampler, sub, vocab
             )
@@ -124,7 +136,7 @@ def generate(
             live.state, r = plain_step(target, live.take(), live.last, sampler, sub, hidden)
         else:
             live.state, r = linear_round(
-                target, live.take(), live.last, proposal, sampler, sub, plan
+                target, live.take(), live.last, proposal, sampler, sub, plan, vocab
             )
         if group is not None:
             decided = [*live.rows, *r.accepted, *r.next_tokens]

@@ -8,13 +8,14 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .. import CommitError, commit_prefix
+from .. import CommitError, StateError, commit_prefix
 from ..kinds import host_ints
-from ._drafter import Proposal
+from ._checks import Drafts, marked_message, refused
 from ._replay import run_kept
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, accept, greedy_picks, pick
 from ._target import Target
+from ._values import raise_marked
 
 
 def plain_step(
@@ -38,15 +39,18 @@ def linear_round(
     target: Target,
     state: Any,
     last: list[int],
-    proposal: Proposal,
+    proposal: Drafts,
     sampler: Sampler,
     key: mx.array | None,
     plan: RoundPlan,
+    vocab: int,
 ) -> tuple[Any, Round]:
     """Verify `proposal` (drafted[b] = `proposal.counts[b]` drafts after row b's `last`
-    token, at least one row with some) from `state` in one forward of 1 + span tokens,
-    accept each row's longest agreeing prefix (greedy) or by exact speculative sampling
-    (drawing with `key`; None when greedy), and commit each row's kept tokens.
+    token, at least one row with some; checked by `_checks.checked_proposal`) from `state`
+    in one forward of 1 + span tokens, accept each row's longest agreeing prefix (greedy) or
+    by exact speculative sampling (drawing with `key`; None when greedy), and commit each
+    row's kept tokens. A draft id outside the target's `vocab` (marked on the device) is
+    refused after the round's one read, before anything is committed.
 
     Pass `state` as the only reference to it (MLX then writes the verify's KV entries into
     its buffers instead of copying them); it is kept past the verify only when `plan` says
@@ -54,11 +58,7 @@ def linear_round(
     drafted = proposal.counts
     span = max(drafted)
     drafts = proposal.tokens
-    if drafts.shape[1] != span:
-        drafts = drafts[:, :span]
-    if drafts.dtype != mx.int32:
-        drafts = drafts.astype(mx.int32)
-    fed = mx.concatenate([mx.array(last, mx.int32)[:, None], drafts], 1)
+    fed = mx.concatenate([mx.array(last, mx.int32)[:, None], proposal.fed], 1)
     extra = {"hidden": True} if plan.hidden else {}
     if plan.capture:
         logits, verified, checkpoints, *seen = target(fed, state, capture=True, **extra)
@@ -73,14 +73,17 @@ def linear_round(
     if sampler.greedy:
         # One read: the accepted counts and the target's picks, which are the accepted
         # drafts followed by the next token.
-        picked = greedy_picks(logits, drafts, drafted)
+        picked, marks = greedy_picks(logits, drafts, drafted, proposal.marks)
+        raise_marked(marks, marked_message(proposal, vocab))
         accepted = [p[0] for p in picked]
         nxt = [p[1 + p[0]] for p in picked]
         emitted_drafts = [p[1:] for p in picked]
     else:
-        probs = None if proposal.probs is None else proposal.probs[:, :span]
         target_probs = sampler.probs(logits)
-        verdict = accept(target_probs, drafts, probs, drafted, sampler, key)
+        try:
+            verdict = accept(target_probs, drafts, proposal.probs, drafted, sampler, key)
+        except StateError as e:  # what the drafter proposed, as its refusal
+            raise refused(e) from None
         accepted, nxt = verdict.accepted, verdict.next_tokens
         emitted_drafts = cast(list[list[int]], drafts.tolist())  # evaluated: no wait
     kept = [a + 1 for a in accepted]

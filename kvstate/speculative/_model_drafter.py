@@ -9,10 +9,8 @@ import mlx.core as mx
 from .. import (
     CommitError,
     NotSupportedError,
-    ShapeError,
     StateError,
     TokenError,
-    batch_size,
     capabilities,
     commit_prefix,
     filter,
@@ -20,12 +18,23 @@ from .. import (
     tile,
 )
 from ..kinds import Composite, as_int, inherit, replace, with_parts
+from . import _values as values
 from ._branches import Branches, first_picks, matching_path
+from ._checks import (
+    checked_depth,
+    checked_kept,
+    checked_last,
+    checked_model,
+    checked_prompts,
+    checked_rows,
+    checked_sampler,
+    started_rows,
+)
 from ._drafter import DraftTree, Proposal
 from ._prefill import prefill
 from ._replay import run_kept
 from ._sampling import Sampler, draw
-from ._target import Abilities, Pick, Target
+from ._target import Pick, Target
 from ._trees import tree_of_paths
 
 
@@ -75,7 +84,10 @@ class ModelDrafter:
     the verify the winning branch's row is kept and rolled back as above.
 
     `draft`: a wrapped model (`kvstate.adapters.wrap(model)`), or any `Target`; with
-    `chain` (a `ChainTarget`) its steps run on its own caches. `pipelined`: evaluate each
+    `chain` (a `ChainTarget`) its steps run on its own caches. `seed`: the key of its draws
+    when it is started without one (driven by hand); `generate` hands it a key of its own,
+    split from the generator's seed, so the two seeds never correlate the drafts with the
+    target's draws. `pipelined`: evaluate each
     draft token asynchronously as soon as its forward is built, so the device computes step
     i while the host builds step i + 1 (mlx-lm's `async_eval` loop); None: on a GPU only.
     On MLX's CPU backend the hand-off costs more than it overlaps (measured on 2 cores:
@@ -87,24 +99,34 @@ class ModelDrafter:
     def __init__(
         self, draft: Target, seed: int = 0, *, pipelined: bool | None = None, branches: int = 3
     ) -> None:
-        self.branches = as_int(branches, "ModelDrafter: branches", StateError)
-        if self.branches < 1:
-            raise StateError(f"ModelDrafter: branches must be an int >= 1; got {branches!r}")
+        abilities = checked_model(draft, "ModelDrafter: draft")
+        self.branches = values.integer(branches, "ModelDrafter: branches", 1)
         self.draft = draft
-        self._chain = Abilities.of(draft).chain  # a wrapped model's steps on its caches
+        self._chain = abilities.chain  # a wrapped model's steps on its caches
+        self._vocab = abilities.vocab_size
+        if pipelined is not None:
+            values.flag(pipelined, "ModelDrafter: pipelined")
         self.pipelined = mx.default_device().type == mx.gpu if pipelined is None else pipelined
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(values.seed(seed, "ModelDrafter: seed"))
+        self._rows: int | None = None  # the batch it was started on, as rows leave
         self.state: Any = None  # holds every token the target kept, but `pending`
         self.pending: mx.array | None = None  # (B, 1) a kept final draft not yet fed
         self._proposal: _Proposed | Branches | None = None
         self._trims: bool | None = None  # rolls_back_by_trim of the draft state, once known
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
+        """Prefill `prompts` into the draft model; `key`: the key of this generation's draws
+        (the generator's, see `Drafter.start`; None: keep drawing from its own seed)."""
+        prompts = checked_prompts(prompts, self._vocab, "ModelDrafter.start")
+        if key is not None:
+            self.key = values.prng_key(key, "ModelDrafter.start: key")
         _, self.state, _ = prefill(self.draft, prompts)
         self.pending, self._proposal = None, None
+        self._rows = len(prompts)
         self._trims = rolls_back_by_trim(self.state)
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        last = self._checked_call("ModelDrafter.propose", last, k, sampler)
         y = mx.array(last, mx.int32)[:, None]
         prefix = self.pending
         if prefix is not None:
@@ -145,8 +167,24 @@ class ModelDrafter:
         state, self.state = self.state, None
         return state
 
+    def _checked_call(self, where: str, last: Any, k: Any, sampler: Any) -> list[int]:
+        """A proposal's arguments, checked (the drafter started, its last proposal accepted)."""
+        rows = started_rows(self._rows, where)
+        if self._proposal is not None:
+            raise StateError(
+                f"{where}: the last proposal was never accepted; call accept(fed, kept) after "
+                "each verify (a drafter serves one generation at a time)"
+            )
+        checked_depth(k, where)
+        checked_sampler(sampler, where)
+        return checked_last(last, rows, self._vocab, where)
+
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         proposal = self._proposal
+        rows = started_rows(self._rows, "ModelDrafter.accept")
+        if not isinstance(proposal, Branches):  # a tree's counts: _kept_branch checks them
+            most = values.INT32_LIMIT if proposal is None else proposal.depth + 1
+            kept = checked_kept(fed, kept, rows, most, "ModelDrafter.accept")
         if isinstance(proposal, Branches):  # after a tree round: the kept branch's row
             branch = _kept_branch(proposal, fed, kept)
             if branch is None:  # not a proposed path: the kept tokens again
@@ -170,18 +208,22 @@ class ModelDrafter:
         """Up to `branches` candidate continuations of depth `k` of a batch-1 row, as a
         token tree: the draft model's most likely (or, sampling, distinct sampled) first
         tokens after `last`, each followed by the draft model's own next k - 1 picks."""
-        if self.state is None:
-            raise StateError("ModelDrafter.propose_tree: call start(prompts) first")
-        rows = batch_size(self.state)
+        where = "ModelDrafter.propose_tree"
+        rows = started_rows(self._rows, where)
         if rows != 1:
             raise NotSupportedError(
                 f"ModelDrafter.propose_tree: tree drafting takes one row; the draft state has "
                 f"{rows} (use propose for a batch, or generate one prompt at a time)"
             )
-        last = as_int(last, "ModelDrafter.propose_tree: last", TokenError)
-        if as_int(k, "ModelDrafter.propose_tree: k", ShapeError) < 1:
-            raise ShapeError(f"ModelDrafter.propose_tree: k must be an int >= 1; got {k!r}")
+        if not values.is_integer(last):
+            raise TokenError(f"{where}: last must be an int token id; got {last!r}")
+        last = self._checked_call(where, [last], k, sampler)[0]
         branches = self.branches
+        if self._vocab is not None and branches > self._vocab:
+            raise StateError(
+                f"{where}: branches={branches} but the draft model has a vocabulary of "
+                f"{self._vocab}; use ModelDrafter(..., branches=<= {self._vocab})"
+            )
         y = mx.array([[last]], mx.int32)
         prefix = self.pending
         if prefix is not None:
@@ -240,7 +282,10 @@ class ModelDrafter:
             self.state = run_kept(self.draft, self.state, tokens, kept)
 
     def keep_rows(self, rows: list[int]) -> None:
+        rows = checked_rows(rows, started_rows(self._rows, "ModelDrafter.keep_rows"),
+                            "ModelDrafter.keep_rows")  # fmt: skip
         self.state = filter(self.state, rows)
+        self._rows = len(rows)
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]
 

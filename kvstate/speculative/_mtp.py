@@ -15,6 +15,15 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from .. import StateError, commit_prefix, filter, merge
+from . import _values as values
+from ._checks import (
+    checked_depth,
+    checked_kept,
+    checked_last,
+    checked_prompts,
+    checked_rows,
+    checked_sampler,
+)
 from ._drafter import Proposal
 from ._sampling import Sampler
 
@@ -45,22 +54,59 @@ class MTPDrafter:
     rows kept different counts), so every kept position saw the target's hidden state.
 
     `uses_hidden = True` tells the generator to pass the target's hidden states to `start`
-    and `accept`.
+    and `accept`. `seed`: the key of its draws when it is started without one (driven by
+    hand); `generate` hands it a key split from the generator's seed.
     """
 
     uses_hidden = True
 
     def __init__(self, head: DraftHead, seed: int = 0) -> None:
+        if isinstance(head, type) or not (
+            callable(head) and callable(getattr(head, "init_state", None))
+        ):
+            raise StateError(
+                f"MTPDrafter: head must be a draft head (callable, with init_state: the "
+                f"DraftHead protocol, e.g. kvstate.adapters.MTPHead(model)); got a "
+                f"{type(head).__name__}"
+            )
         self.head = head
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(values.seed(seed, "MTPDrafter: seed"))
         self.state: Any = None  # every kept position but the last token's
         self.pending: mx.array | None = None  # (B, 1, D): the target's hidden at the last kept
         self._first_step: Any = None  # the state after a proposal's first step
 
-    def start(self, prompts: list[list[int]], hidden: list[mx.array] | None = None) -> None:
-        """`hidden`: the target's hidden states over each prompt, (1, L, D) per row."""
-        if hidden is None or len(hidden) != len(prompts):
-            raise StateError("MTPDrafter.start: needs the target's hidden states per prompt")
+    def start(
+        self,
+        prompts: list[list[int]],
+        hidden: list[mx.array] | None = None,
+        *,
+        key: mx.array | None = None,
+    ) -> None:
+        """`hidden`: the target's hidden states over each prompt, (1, L, D) per row; `key`:
+        the key of this generation's draws (the generator's, see `Drafter.start`; None: keep
+        drawing from its own seed)."""
+        prompts = checked_prompts(prompts, None, "MTPDrafter.start")
+        if not (isinstance(hidden, (list, tuple)) and len(hidden) == len(prompts)):
+            got = f"{len(hidden)} of them" if isinstance(hidden, (list, tuple)) else repr(hidden)
+            raise StateError(
+                "MTPDrafter.start: needs the target's hidden states per prompt (hidden=[(1, L, "
+                f"D) per prompt], {len(prompts)} of them); got {got:.60}"
+            )
+        bad = [
+            i
+            for i, (p, h) in enumerate(zip(prompts, hidden, strict=True))
+            if not (isinstance(h, mx.array) and h.ndim == 3 and h.shape[:2] == (1, len(p)))
+        ]
+        if bad:
+            shapes = [
+                tuple(hidden[i].shape) if isinstance(hidden[i], mx.array) else None for i in bad
+            ]
+            raise StateError(
+                f"MTPDrafter.start: hidden[{bad[0]}] must be (1, L, D) over its prompt of L "
+                f"tokens; got {shapes[:4]} for prompts {bad[:4]}"
+            )
+        if key is not None:
+            self.key = values.prng_key(key, "MTPDrafter.start: key")
         states, pending = [], []
         for prompt, h in zip(prompts, hidden, strict=True):
             before = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
@@ -73,6 +119,10 @@ class MTPDrafter:
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         if self.pending is None:
             raise StateError("MTPDrafter.propose: call start first")
+        where = "MTPDrafter.propose"
+        checked_depth(k, where)
+        checked_sampler(sampler, where)
+        last = checked_last(last, self.pending.shape[0], None, where)
         hidden, state = self.pending, self.state
         y = mx.array(last, mx.int32)[:, None]
         tokens, probs = [], []
@@ -93,6 +143,14 @@ class MTPDrafter:
         """`hidden`: the target's hidden states (B, 1 + span, D) over `fed` (B, 1 + span)."""
         if hidden is None or self.pending is None:
             raise StateError("MTPDrafter.accept: needs the target's hidden states over `fed`")
+        rows = self.pending.shape[0]
+        kept = checked_kept(fed, kept, rows, values.INT32_LIMIT, "MTPDrafter.accept")
+        if not (isinstance(hidden, mx.array) and hidden.shape[:2] == fed.shape):
+            raise StateError(
+                f"MTPDrafter.accept: hidden must be the target's hidden states over fed, "
+                f"{tuple(fed.shape)} + (D,); got "
+                f"{tuple(hidden.shape) if isinstance(hidden, mx.array) else type(hidden).__name__}"
+            )
         n = fed.shape[1]
         # behind[b]: the kept tokens row b's head state has yet to see.
         if self._first_step is not None:  # (pending, last) is in it: the drafts remain
@@ -116,6 +174,8 @@ class MTPDrafter:
         self.pending = mx.take_along_axis(hidden, at, axis=1)
 
     def keep_rows(self, rows: list[int]) -> None:
+        count = 0 if self.pending is None else self.pending.shape[0]
+        rows = checked_rows(rows, count, "MTPDrafter.keep_rows")
         self.state = filter(self.state, rows)
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]

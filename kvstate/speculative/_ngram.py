@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 
-from .. import StateError
+from .. import StateError, TokenError
+from . import _values as values
+from ._checks import (
+    checked_depth,
+    checked_kept,
+    checked_last,
+    checked_prompts,
+    checked_rows,
+    started_rows,
+)
 from ._drafter import DraftTree, Proposal
 from ._sampling import Sampler
 from ._trees import tree_of_paths
@@ -30,6 +39,9 @@ class NGramDrafter:
     uses_hidden = False
 
     def __init__(self, max_n: int = 3, min_n: int = 1, *, branches: int = 3) -> None:
+        max_n = values.integer(max_n, "NGramDrafter: max_n")
+        min_n = values.integer(min_n, "NGramDrafter: min_n")
+        branches = values.integer(branches, "NGramDrafter: branches")
         if not 1 <= min_n <= max_n:
             raise StateError(f"NGramDrafter: need 1 <= min_n <= max_n; got {min_n}, {max_n}")
         if branches < 1:
@@ -37,8 +49,13 @@ class NGramDrafter:
         self.max_n, self.min_n, self.branches = max_n, min_n, branches
         self.history: list[list[int]] = []
         self.index: list[dict[tuple[int, ...], list[int]]] = []
+        self._started = False
 
-    def start(self, prompts: list[list[int]]) -> None:
+    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
+        """Index `prompts` (one per row). `key` is taken and unused: the lookup draws
+        nothing at random (its drafts are point masses)."""
+        prompts = checked_prompts(prompts, None, "NGramDrafter.start")
+        self._started = True
         self.history, self.index = [], []
         for prompt in prompts:
             self.history.append([])
@@ -46,6 +63,7 @@ class NGramDrafter:
             self._extend(len(self.history) - 1, list(prompt))
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        last = self._checked("NGramDrafter.propose", last, k)
         drafts, counts = [], []
         for row, token in enumerate(last):
             found = self._lookup(row, token, k)
@@ -54,6 +72,11 @@ class NGramDrafter:
         return Proposal(mx.array(drafts, mx.int32), counts, None)
 
     def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
+        if not values.is_integer(last):
+            raise TokenError(
+                f"NGramDrafter.propose_tree: last must be an int token id; got {last!r}"
+            )
+        last = self._checked("NGramDrafter.propose_tree", [last], k)[0]
         paths: list[list[int]] = []
         for found in self._matches(0, last, k):
             if found not in paths:
@@ -63,13 +86,24 @@ class NGramDrafter:
         return DraftTree(*tree_of_paths(paths))
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
+        where = "NGramDrafter.accept"
+        kept = checked_kept(fed, kept, self._rows(where), values.INT32_LIMIT, where)
         rows = cast(list[list[int]], fed.tolist())
         for row, (tokens, n) in enumerate(zip(rows, kept, strict=True)):
             self._extend(row, tokens[:n])
 
     def keep_rows(self, rows: list[int]) -> None:
+        rows = checked_rows(rows, self._rows("NGramDrafter.keep_rows"), "NGramDrafter.keep_rows")
         self.history = [self.history[i] for i in rows]
         self.index = [self.index[i] for i in rows]
+
+    def _rows(self, where: str) -> int:
+        return started_rows(len(self.history) if self._started else None, where)
+
+    def _checked(self, where: str, last: Any, k: Any) -> list[int]:
+        rows = self._rows(where)
+        checked_depth(k, where, low=0)
+        return checked_last(last, rows, None, where)
 
     def _lookup(self, row: int, token: int, k: int) -> list[int]:
         return next(self._matches(row, token, k), [])

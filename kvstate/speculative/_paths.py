@@ -15,7 +15,8 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from .. import TokenError, commit_prefix, distributed, row_select, tile, tree_map
+from .. import commit_prefix, distributed, row_select, tile, tree_map
+from ._checks import checked_paths, checked_target, checked_token
 from ._sampling import Sampler
 from ._target import Target
 from ._tree_accept import sample_tree, sampling_of
@@ -44,9 +45,10 @@ def verify_paths(
     copies of the state while it runs). Greedy (no sampler, or a greedy one): the longest
     agreeing prefix wins. With a sampler: exact speculative sampling over the paths' trie,
     drawing from `key` (the global PRNG if None)."""
+    vocab = checked_target(target, "verify_paths").vocab_size
     require_one_row(state, "verify_paths")
-    if not paths or any(len(p) == 0 for p in paths):
-        raise TokenError("verify_paths: give at least one path, each with at least one draft")
+    last = checked_token(last, "verify_paths: last", vocab)
+    paths = checked_paths(paths, vocab, "verify_paths")
     sampling = sampling_of(sampler, key, "verify_paths")
     span = max(len(p) for p in paths)
     rows = [[last, *p, *[0] * (span - len(p))] for p in paths]

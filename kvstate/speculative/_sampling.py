@@ -4,24 +4,62 @@ Exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023): row b acce
 i, drawn from q_i, with probability min(1, p_i(x) / q_i(x)), stops at its first rejection, and
 then draws the next token from norm(max(0, p - q)) at that position, or from p after the last
 draft if all were accepted. Every emitted token is then distributed exactly as if the target
-had sampled it alone. Greedy decoding (temperature 0) is the limit where p is a point mass:
-a draft is accepted iff it is the target's argmax.
+had sampled it alone, provided each draft was drawn from its q_i with noise of its own: noise
+that the target's draws (the token before the drafts, the acceptance uniforms, the next token)
+do not share. Greedy decoding (temperature 0) is the limit where p is a point mass: a draft
+is accepted iff it is the target's argmax; it uses no key.
+
+Keys: exact for every seed. A generation's randomness comes from its seed alone, and no two
+draws share a key. `generation_keys(seed)` splits `mx.random.key(seed)` into the target's key
+and the drafter's key. The target's draws (the first token, then each round's acceptance
+uniforms and next tokens) take successive splits of the target's key; the drafter is handed
+its key in `Drafter.start(prompts, key=...)` and splits it for each of its own draws (every
+draft step, a tree's branches). Inside one draw each row of the batch gets its own noise (the
+key covers the whole (B, ...) array), so rows are independent too, in every mode (linear,
+tree, paths, MTP heads, n-gram drafts, ragged batches). A drafter's own `seed=` applies only
+when it is started without a key (driven by hand): inside `generate` neither it nor any choice
+of the generator's seed can make a draft reuse the noise of the token it is checked against.
+The same `generate(..., seed=s)` call gives the same tokens; greedy output does not depend on
+the seed at all.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
-from .. import StateError
+from .. import ShapeError, StateError, TokenError
+from ._values import (
+    DRAFT_ID,
+    DRAFT_PROBS,
+    DRAFT_UNLIKELY,
+    SUM_TOLERANCE,
+    TARGET_NAN,
+    DrafterError,
+    counts_of,
+    is_integer,
+    prng_key,
+    raise_marked,
+)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+        x, (bool, np.bool_)
+    )
 
 
 @attrs.frozen
 class Sampler:
     """temperature 0 is greedy; top_k 0 and top_p 1.0 leave the distribution whole.
-    Applied identically to the target's and the drafter's logits."""
+    Applied identically to the target's and the drafter's logits: the temperature divides
+    the logits, top_k keeps the k largest (ties at the k-th kept too), top_p the smallest set
+    of most likely tokens whose mass reaches top_p (the token that crosses it included)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -29,12 +67,13 @@ class Sampler:
 
     def __attrs_post_init__(self) -> None:
         bad = []
-        if not self.temperature >= 0:
-            bad.append(f"temperature={self.temperature!r} (must be >= 0)")
-        if not 0 < self.top_p <= 1:
-            bad.append(f"top_p={self.top_p!r} (must be in (0, 1])")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            bad.append(f"top_k={self.top_k!r} (must be an int >= 0)")
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if not (_number(t) and math.isfinite(t) and t >= 0):
+            bad.append(f"temperature={t!r} (must be a finite number >= 0)")
+        if not (_number(p) and 0 < p <= 1):
+            bad.append(f"top_p={p!r} (must be a number in (0, 1])")
+        if not (is_integer(k) and k >= 0):
+            bad.append(f"top_k={k!r} (must be an int >= 0)")
         if bad:
             raise StateError(f"Sampler: {', '.join(bad)}")
 
@@ -44,6 +83,11 @@ class Sampler:
 
     def probs(self, logits: mx.array) -> mx.array:
         """The sampling distribution (..., vocab) float32 of `logits` (..., vocab)."""
+        if not isinstance(logits, mx.array):
+            raise StateError(
+                f"Sampler.probs: logits must be an mx.array (..., vocab); got "
+                f"{type(logits).__name__}"
+            )
         logits = logits.astype(mx.float32)
         if self.greedy:
             return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(
@@ -66,10 +110,26 @@ class Sampler:
         return probs
 
     def sample(self, probs: mx.array, key: mx.array | None = None) -> mx.array:
-        """One token per distribution of `probs` (..., vocab) (argmax when greedy)."""
+        """One token per distribution of `probs` (..., vocab) (argmax when greedy). `probs`
+        must be distributions: they are not read back to check it (the acceptance rule
+        checks a drafter's)."""
+        if not isinstance(probs, mx.array):
+            raise StateError(
+                f"Sampler.sample: probs must be an mx.array (..., vocab); got {type(probs).__name__}"
+            )
         if self.greedy:
             return probs.argmax(-1).astype(mx.int32)
+        if key is not None:
+            prng_key(key, "Sampler.sample: key")
         return mx.random.categorical(mx.log(probs), key=key).astype(mx.int32)
+
+
+def generation_keys(seed: int) -> tuple[mx.array, mx.array]:
+    """(the target's key, the drafter's key) of a generation seeded with `seed`: the two
+    halves of `mx.random.split(mx.random.key(seed))`, so every key either side derives is
+    distinct from every key of the other side (and of any other seed's)."""
+    target, drafter = mx.random.split(mx.random.key(seed))
+    return target, drafter
 
 
 def round_key(sampler: Sampler, key: mx.array) -> tuple[mx.array, mx.array | None]:
@@ -112,22 +172,60 @@ def accept(
     """The acceptance rule over a batch.
 
     target: (B, span+1, V) the target's sampling distributions after its last token and
-    after each of the span drafts; drafts: (B, span) int; draft_probs: (B, span, V) or None
+    after each of the span drafts; drafts: (B, span) int; draft_probs: (B, span, V') or None
     (point masses); counts: drafted[b], the drafts that count in row b (<= span). One host
     sync for the whole batch.
+
+    Draft ids that `draft_probs` covers but the target's vocabulary lacks (a draft model
+    with a padded vocabulary, V' > V) have target probability 0: they are rejected, and the
+    residual is exact; draft_probs narrower than V (V' < V) are 0 past their width. Refused
+    after the one read (the checks ride along with it, no extra sync): a counted draft id
+    outside 0..V'-1 (`TokenError`), draft_probs of a counted draft that are not a
+    distribution or give the draft probability 0 (`DrafterError`: it cannot have been drawn
+    from them), and a target distribution holding NaN (`StateError`).
     """
-    span = drafts.shape[1]
+    counts = _checked_args(target, drafts, draft_probs, counts, sampler, key)
     if sampler.greedy:
         return accept_greedy(target, drafts, counts)
-    valid = mx.arange(span)[None] < mx.array(counts)[:, None]
+    columns = accept_columns(target, drafts, draft_probs, counts, sampler, key)
+    rows = cast(list[list[int]], columns.tolist())
+    raise_marked([r[2] for r in rows], _refusals(target, drafts, draft_probs, counts))
+    return Verdict([r[0] for r in rows], [r[1] for r in rows])
+
+
+def accept_columns(
+    target: mx.array,
+    drafts: mx.array,
+    draft_probs: mx.array | None,
+    counts: list[int],
+    sampler: Sampler,
+    key: mx.array | None,
+) -> mx.array:
+    """`accept`'s rule on the device, unread: (B, 3) int32 [accepted, next token, marks],
+    marks the bits of `_values` (DRAFT_ID, DRAFT_PROBS, DRAFT_UNLIKELY, TARGET_NAN) of what
+    was wrong with row b's input (0: nothing)."""
+    span = drafts.shape[1]
+    vocab = target.shape[-1]
+    width = vocab if draft_probs is None else draft_probs.shape[-1]
+    counted = mx.arange(span)[None] < mx.array(counts)[:, None]
     keys = mx.random.split(key, 2) if key is not None else (None, None)
-    p_draft = mx.take_along_axis(target[:, :span], drafts[..., None], axis=-1)[..., 0]
+    # Ids are compared in their own dtype (an int64 id past int32 must not wrap into range)
+    # and gathered only once clamped: MLX's gathers do not check bounds.
+    invalid = (drafts < 0) | (drafts >= width)
+    beyond = drafts >= vocab  # covered by draft_probs only: the target gives them 0
+    ids = mx.where(invalid | beyond, 0, drafts).astype(mx.int32)
+    p_draft = mx.take_along_axis(target[:, :span], ids[..., None], axis=-1)[..., 0]
+    p_draft = mx.where(beyond, 0, p_draft)
+    marks = DRAFT_ID * (invalid & counted).any(1).astype(mx.int32)
     if draft_probs is None:
         q_draft = mx.ones_like(p_draft)
     else:
-        q_draft = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+        draft_probs = draft_probs[:, :span].astype(mx.float32)
+        q_ids = mx.where(invalid, 0, drafts).astype(mx.int32)
+        q_draft = mx.take_along_axis(draft_probs, q_ids[..., None], axis=-1)[..., 0]
+        marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
     u = mx.random.uniform(shape=p_draft.shape, key=keys[0])
-    ok = (u * q_draft < p_draft) & valid  # u < p / q, without dividing by a zero q
+    ok = (u * q_draft < p_draft) & counted  # u < p / q, without dividing by a zero q
     accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
     rejected = accepted < mx.array(counts)
     at = accepted[:, None, None]
@@ -136,7 +234,8 @@ def accept(
         at_draft = mx.take_along_axis(drafts, mx.minimum(accepted, span - 1)[:, None], axis=1)
         q = (mx.arange(p.shape[-1])[None] == at_draft).astype(p.dtype)
     else:
-        padded = mx.concatenate([draft_probs, mx.zeros_like(draft_probs[:, :1])], axis=1)
+        fitted = _fit_vocabulary(draft_probs, vocab)
+        padded = mx.concatenate([fitted, mx.zeros_like(fitted[:, :1])], axis=1)
         q = mx.take_along_axis(padded, at, axis=1)[:, 0]
     residual = mx.maximum(p - q, 0)
     mass = residual.sum(-1, keepdims=True)
@@ -144,33 +243,172 @@ def accept(
     # residual empty, from p itself.
     use_residual = rejected[:, None] & (mass > 0)
     final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
+    marks = marks + TARGET_NAN * mx.isnan(final).any(-1).astype(mx.int32)
     next_tokens = sampler.sample(final, key=keys[1])
-    return _verdict(mx.concatenate([accepted[:, None], next_tokens[:, None]], axis=1))
+    return mx.concatenate([accepted[:, None], next_tokens[:, None], marks[:, None]], axis=1).astype(
+        mx.int32
+    )
+
+
+def _distribution_marks(probs: mx.array, q_draft: mx.array, counted: mx.array) -> mx.array:
+    """(B,) DRAFT_PROBS where a counted draft's probs (B, span, V') are not a distribution
+    (NaN or inf fail the comparisons), DRAFT_UNLIKELY where they give the draft 0."""
+    whole = (mx.abs(probs.sum(-1) - 1) <= SUM_TOLERANCE) & (probs.min(-1) >= 0)
+    not_distribution = (~whole & counted).any(1).astype(mx.int32)
+    unlikely = ((q_draft <= 0) & counted).any(1).astype(mx.int32)
+    return DRAFT_PROBS * not_distribution + DRAFT_UNLIKELY * unlikely
+
+
+def _fit_vocabulary(probs: mx.array, vocab: int) -> mx.array:
+    """Draft distributions (B, span, V') over the target's V ids: the mass past V dropped
+    (those ids have target probability 0, so they add nothing to the residual), zeros past
+    V' (the drafter never draws them)."""
+    width = probs.shape[-1]
+    if width == vocab:
+        return probs
+    if width > vocab:
+        return probs[..., :vocab]
+    return mx.pad(probs, [(0, 0), (0, 0), (0, vocab - width)])
 
 
 def accept_greedy(scores: mx.array, drafts: mx.array, drafted: list[int]) -> Verdict:
     """Greedy acceptance straight from `scores` (B, span+1, V): logits, or any distribution
     whose argmax is the target's pick. A draft is accepted while it is the target's argmax.
-    One host sync for the whole batch."""
-    rows = greedy_picks(scores, drafts, drafted)
+    One host sync for the whole batch; a counted draft outside 0..V-1 raises `TokenError`
+    after it."""
+    rows, marks = greedy_picks(
+        scores, drafts, drafted, outside_ids(drafts, drafted, scores.shape[-1])
+    )
+    raise_marked(marks, _refusals(scores, drafts, None, drafted))
     return Verdict([r[0] for r in rows], [r[1 + r[0]] for r in rows])
 
 
-def greedy_picks(scores: mx.array, drafts: mx.array, drafted: list[int]) -> list[list[int]]:
+def outside_ids(drafts: mx.array, drafted: list[int], vocab: int) -> mx.array:
+    """(B,) int32 DRAFT_ID where a counted draft of `drafts` (B, span) is outside 0..vocab-1
+    (compared in the drafts' own dtype), else 0; unevaluated."""
+    counted = mx.arange(drafts.shape[1])[None] < mx.array(drafted)[:, None]
+    outside = ((drafts < 0) | (drafts >= vocab)) & counted
+    return DRAFT_ID * outside.any(1).astype(mx.int32)
+
+
+def greedy_picks(
+    scores: mx.array, drafts: mx.array, drafted: list[int], marks: mx.array | None = None
+) -> tuple[list[list[int]], list[int]]:
     """Per row `[accepted, pick_0 .. pick_span]`: the drafts accepted (while each is the
     target's argmax `pick`) and the target's picks after the last token and each draft, in
-    one host read. The row's emitted tokens are picks 0..accepted (the accepted drafts are
-    picks). `drafted[b]`: the drafts that count in row b."""
+    one host read, with `marks` (B,) (a check's bits computed on the device; zeros when
+    None) read along. The row's emitted tokens are picks 0..accepted (the accepted drafts
+    are picks). `drafted[b]`: the drafts that count in row b."""
     span = drafts.shape[1]
     picks = scores.argmax(-1).astype(mx.int32)  # (B, span+1)
-    ok = picks[:, :span] == drafts
+    ok = picks[:, :span] == drafts  # an id outside the vocabulary is never a pick
     if min(drafted) < span:  # filler past a row's drafts is never accepted
         ok = ok & (mx.arange(span)[None] < mx.array(drafted)[:, None])
-    accepted = mx.cumprod(ok, axis=1).sum(1, keepdims=True)  # (B, 1) int32
-    return cast(list[list[int]], mx.concatenate([accepted, picks], axis=1).tolist())
+    accepted = mx.cumprod(ok, axis=1).sum(1, keepdims=True).astype(mx.int32)  # (B, 1)
+    columns = [accepted, picks] if marks is None else [accepted, picks, marks[:, None]]
+    rows = cast(list[list[int]], mx.concatenate(columns, axis=1).tolist())
+    if marks is None:
+        return rows, [0] * len(rows)
+    return [r[:-1] for r in rows], [r[-1] for r in rows]
 
 
-def _verdict(columns: mx.array) -> Verdict:
-    """(B, 2) [accepted, next token] -> a Verdict, in one host read."""
-    rows = cast(list[list[int]], columns.tolist())
-    return Verdict([r[0] for r in rows], [r[1] for r in rows])
+# ---------------------------------------------------------------------------- refusals
+
+
+def _checked_args(
+    target: Any, drafts: Any, draft_probs: Any, counts: Any, sampler: Any, key: Any
+) -> list[int]:
+    """`accept`'s arguments checked on the host (types and shapes: no read); its counts."""
+    if not isinstance(sampler, Sampler):
+        raise StateError(
+            f"accept: sampler must be a kvstate.speculative.Sampler; got {type(sampler).__name__}"
+        )
+    if not (isinstance(target, mx.array) and target.ndim == 3):
+        raise ShapeError(
+            f"accept: target must be an mx.array (B, span + 1, vocab) of the target's "
+            f"distributions; got {_described(target)}"
+        )
+    if not (isinstance(drafts, mx.array) and drafts.ndim == 2):
+        raise TokenError(
+            f"accept: drafts must be an mx.array (B, span) of ids; got {_described(drafts)}"
+        )
+    if not mx.issubdtype(drafts.dtype, mx.integer):
+        raise TokenError(f"accept: drafts must be integer ids; got dtype {drafts.dtype}")
+    rows, span = drafts.shape
+    if target.shape[0] != rows or target.shape[1] < span + 1:
+        raise ShapeError(
+            f"accept: target {tuple(target.shape)} must be (B, span + 1, vocab) for drafts "
+            f"{tuple(drafts.shape)}: {rows} rows and at least {span + 1} positions"
+        )
+    if draft_probs is not None:
+        if not (isinstance(draft_probs, mx.array) and draft_probs.ndim == 3):
+            raise DrafterError(
+                f"accept: draft_probs must be None or an mx.array (B, span, vocab); got "
+                f"{_described(draft_probs)}"
+            )
+        if draft_probs.shape[0] != rows or draft_probs.shape[1] < span:
+            raise DrafterError(
+                f"accept: draft_probs {tuple(draft_probs.shape)} must be (B, span, vocab) for "
+                f"drafts {tuple(drafts.shape)}: one distribution per draft"
+            )
+        if not mx.issubdtype(draft_probs.dtype, mx.floating):
+            raise DrafterError(f"accept: draft_probs must be floats; got dtype {draft_probs.dtype}")
+    if key is not None:
+        prng_key(key, "accept: key")
+    return counts_of(counts, "accept: counts", rows, span)
+
+
+def _described(x: Any) -> str:
+    if isinstance(x, mx.array):
+        return f"an mx.array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r:.60}"
+
+
+def _refusals(
+    target: mx.array, drafts: mx.array, draft_probs: mx.array | None, counts: list[int]
+) -> dict[int, tuple[type[StateError], Callable[[list[int]], str]]]:
+    """What each mark means, as (error class, message of the rows marked): the messages read
+    the arrays (the error path only)."""
+    width = target.shape[-1] if draft_probs is None else draft_probs.shape[-1]
+
+    def counted(rows: list[int]) -> str:
+        ids = cast(list[list[int]], drafts.tolist())
+        return "; ".join(f"row {b}: {ids[b][: counts[b]]}" for b in rows[:4])
+
+    def ids(rows: list[int]) -> str:
+        return (
+            f"accept: drafts (a proposal's tokens) hold ids outside 0..{width - 1} "
+            f"({counted(rows)}); a draft must "
+            + ("be a token id of the target's vocabulary" if draft_probs is None else
+               "be an id its draft_probs cover")
+        )  # fmt: skip
+
+    def distribution(rows: list[int]) -> str:
+        assert draft_probs is not None
+        sums = draft_probs[mx.array(rows[:4]), :].sum(-1).tolist()
+        return (
+            f"accept: draft_probs (a proposal's probs) of rows {rows[:8]} are not "
+            f"distributions (sums per draft "
+            f"{sums}, or negative or NaN entries): give each draft's probabilities (B, span, "
+            "vocab), non-negative and summing to 1, or None for drafts chosen deterministically"
+        )
+
+    def unlikely(rows: list[int]) -> str:
+        return (
+            f"accept: draft_probs (a proposal's probs) give probability 0 to drafts they "
+            f"were drawn from "
+            f"({counted(rows)}): a draft must be drawn from its own distribution"
+        )
+
+    def nan(rows: list[int]) -> str:
+        return (
+            f"accept: the target distributions of rows {rows[:8]} hold NaN (the target's logits "
+            "are NaN: an input id outside its vocabulary, or an overflow)"
+        )
+
+    return {
+        DRAFT_ID: (TokenError, ids),
+        DRAFT_PROBS: (DrafterError, distribution),
+        DRAFT_UNLIKELY: (DrafterError, unlikely),
+        TARGET_NAN: (StateError, nan),
+    }

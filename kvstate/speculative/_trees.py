@@ -9,11 +9,16 @@ from collections.abc import Sequence
 from .. import NotSupportedError, TokenError, batch_size
 from ..kinds import as_ints
 from ._drafter import DraftTree
+from ._values import ids
 
 
 def tree_of_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
     """Candidate continuations -> the draft tree (tokens, parents) that shares their common
-    prefixes (a trie, nodes in first-seen order)."""
+    prefixes (a trie, nodes in first-seen order). `paths`: a list of lists of ids (none:
+    the empty tree)."""
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, (list, tuple)):
+        raise TokenError(f"tree_of_paths: paths must be a list of lists of ids; got {paths!r:.60}")
+    paths = [ids(p, f"tree_of_paths: paths[{i}]", None) for i, p in enumerate(paths)]
     tokens: list[int] = []
     parents: list[int] = []
     children: dict[tuple[int, int], int] = {}
