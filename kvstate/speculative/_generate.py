@@ -10,7 +10,7 @@ words (k, depth, budget, drafted, fed, accepted, kept, emitted) are the package 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -18,11 +18,11 @@ import mlx.core as mx
 from .. import NotSupportedError, StateError, TokenError, capabilities, filter
 from ..distributed import agree
 from ..kinds import host_ints
-from ._drafter import Drafter, TreeDrafter, uses_hidden
+from ._drafter import Drafter, TreeDrafter, prefills, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
 from ._linear_round import linear_round, plain_step
 from ._plain import decode
-from ._prefill import prefill
+from ._prefill import PREFILL_STEP, prefill
 from ._replay import commit_may_be_refused
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, draw, round_key
@@ -42,6 +42,8 @@ def generate(
     adaptive: bool = True,
     seed: int = 0,
     tree: str | None = None,
+    prefill_step_size: int = PREFILL_STEP,
+    prompt_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[list[Token]]:
     """Generate up to `max_tokens` per prompt, yielding the tokens of each round.
 
@@ -59,6 +61,12 @@ def generate(
     tree attention mask, "paths" as a batch of the tree's root-to-leaf paths. Greedy keeps the
     longest agreeing path; sampling stays exact (each draft is tried as a point mass, the
     target's distribution renormalised past the rejected siblings).
+
+    The prompts are prefilled as mlx-lm's `generate_step` does: `prefill_step_size`
+    positions per forward, each evaluated as it is built, the output projection at each
+    row's last position only (a drafter with its own model prefills it in chunks of the same
+    size). `prompt_progress(processed, total)`: the target's prompt tokens through the model
+    so far (all rows together), 0 first and `total` last.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise TokenError("generate: give at least one prompt, each with at least one token")
@@ -73,11 +81,25 @@ def generate(
     group = abilities.group  # a distributed model's ranks must decide alike; None: one process
     if drafter is None:
         yield from decode(
-            target, prompts, max_tokens=max_tokens, sampler=sampler, eos=eos, key=key, group=group
+            target,
+            prompts,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            eos=eos,
+            key=key,
+            group=group,
+            prefill_step_size=prefill_step_size,
+            prompt_progress=prompt_progress,
         )
         return
-    logits, state, hiddens = prefill(target, prompts, hidden)
-    drafter.start([list(p) for p in prompts], **({"hidden": hiddens} if hidden else {}))
+    logits, state, hiddens = prefill(
+        target, prompts, hidden, step=prefill_step_size, progress=prompt_progress
+    )
+    drafter.start(
+        [list(p) for p in prompts],
+        **({"hidden": hiddens} if hidden else {}),
+        **({"prefill_step_size": prefill_step_size} if prefills(drafter) else {}),
+    )
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints (a verify of attention-only targets skips them),
     # and whether a commit can be refused (pooled windows: each verify then keeps the state

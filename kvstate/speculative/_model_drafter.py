@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
@@ -22,7 +23,7 @@ from .. import (
 from ..kinds import Composite, as_int, inherit, replace, with_parts
 from ._branches import Branches, first_picks, matching_path
 from ._drafter import DraftTree, Proposal
-from ._prefill import prefill
+from ._prefill import PREFILL_STEP, prefill
 from ._replay import run_kept
 from ._sampling import Sampler, draw
 from ._target import Abilities, Pick, Target
@@ -83,6 +84,7 @@ class ModelDrafter:
     """
 
     uses_hidden = False
+    prefills = True  # the generator passes its prefill_step_size to `start`
 
     def __init__(
         self, draft: Target, seed: int = 0, *, pipelined: bool | None = None, branches: int = 3
@@ -99,8 +101,19 @@ class ModelDrafter:
         self._proposal: _Proposed | Branches | None = None
         self._trims: bool | None = None  # rolls_back_by_trim of the draft state, once known
 
-    def start(self, prompts: list[list[int]]) -> None:
-        _, self.state, _ = prefill(self.draft, prompts)
+    def start(
+        self,
+        prompts: list[list[int]],
+        *,
+        prefill_step_size: int = PREFILL_STEP,
+        prompt_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Prefill the draft model with `prompts` (one per row), as the generator prefills
+        the target: chunks of `prefill_step_size` positions, `prompt_progress(processed,
+        total)` as they go."""
+        _, self.state, _ = prefill(
+            self.draft, prompts, step=prefill_step_size, progress=prompt_progress
+        )
         self.pending, self._proposal = None, None
         self._trims = rolls_back_by_trim(self.state)
 

@@ -15,7 +15,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from .. import StateError, commit_prefix, filter, merge
+from .. import eval as eval_state
+from ..kinds import as_int
 from ._drafter import Proposal
+from ._prefill import PREFILL_STEP
 from ._sampling import Sampler
 
 
@@ -49,6 +52,7 @@ class MTPDrafter:
     """
 
     uses_hidden = True
+    prefills = True  # the generator passes its prefill_step_size to `start`
 
     def __init__(self, head: DraftHead, seed: int = 0) -> None:
         self.head = head
@@ -57,14 +61,31 @@ class MTPDrafter:
         self.pending: mx.array | None = None  # (B, 1, D): the target's hidden at the last kept
         self._first_step: Any = None  # the state after a proposal's first step
 
-    def start(self, prompts: list[list[int]], hidden: list[mx.array] | None = None) -> None:
-        """`hidden`: the target's hidden states over each prompt, (1, L, D) per row."""
+    def start(
+        self,
+        prompts: list[list[int]],
+        hidden: list[mx.array] | None = None,
+        *,
+        prefill_step_size: int = PREFILL_STEP,
+    ) -> None:
+        """`hidden`: the target's hidden states over each prompt, (1, L, D) per row. The head
+        runs over each prompt in chunks of `prefill_step_size` positions, each chunk's state
+        evaluated as it is built (its logits are never used, so never computed)."""
         if hidden is None or len(hidden) != len(prompts):
             raise StateError("MTPDrafter.start: needs the target's hidden states per prompt")
+        step = as_int(prefill_step_size, "MTPDrafter.start: prefill_step_size", StateError)
+        if step < 1:
+            raise StateError(
+                f"MTPDrafter.start: prefill_step_size must be an int >= 1; got {step!r}"
+            )
         states, pending = [], []
         for prompt, h in zip(prompts, hidden, strict=True):
             before = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
-            states.append(self.head(before, mx.array([prompt]), self.head.init_state())[2])
+            ids, state = mx.array([prompt]), self.head.init_state()
+            for at in range(0, len(prompt), step):
+                state = self.head(before[:, at : at + step], ids[:, at : at + step], state)[2]
+                eval_state(state)
+            states.append(state)
             pending.append(h[:, -1:])
         self.state = states[0] if len(states) == 1 else merge(states)
         self.pending = mx.concatenate(pending, axis=0)
