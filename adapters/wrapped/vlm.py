@@ -195,10 +195,12 @@ class VLMWrappedModel(WrappedModel):
         n = checked_step(step)
         ids, bad = self._checked(tokens, state, None, False)
         inputs = self._inputs(ids, state, pixel_values, mask, inputs_embeds, model_inputs)
-        if not _chunks(self.model, self.language_model, ids, inputs):
+        embeds = inputs.get("inputs_embeds")
+        if not _chunks(self.model, self.language_model, ids, inputs) or (
+            embeds is not None and embeds.shape[1] != ids.shape[1]  # chunks slice both alike
+        ):
             return self._whole(ids, bad, state, inputs, progress)
         language_model = self.language_model
-        embeds = inputs.get("inputs_embeds")
 
         def model_at(start: int, end: int, last: bool) -> Any:
             if embeds is None:  # a continued conversation's plain tokens
@@ -288,7 +290,9 @@ class VLMWrappedModel(WrappedModel):
         return {**model_inputs, **extra, "inputs_embeds": features.inputs_embeds}
 
 
-def _chunks(model: nn.Module, language_model: nn.Module, ids: mx.array, inputs: dict[str, Any]) -> bool:
+def _chunks(
+    model: nn.Module, language_model: nn.Module, ids: mx.array, inputs: dict[str, Any]
+) -> bool:
     """Whether mlx-vlm's `generate_step` would prefill this prompt in chunks: a model's (or
     its language model's) `chunked_prefill_policy` decides, else `no_chunked_prefill` refuses
     (encoder-decoder models); without a draft model every other model chunks."""
