@@ -4,6 +4,8 @@ against the target's own distribution."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -56,19 +58,25 @@ def test_plain_decoding_stops_at_max_tokens_without_a_step_past_it(monkeypatch):
     (the pipelined loop builds no step that nobody reads)."""
     model = tiny_model("llama")
     target = wrap(model)
-    calls: list[tuple[int, ...]] = []
-    original = type(target).__call__
+    calls: list[tuple[Any, ...]] = []
+    original, prefill = type(target).__call__, type(target).prefill
 
     def counted(self, tokens, state, **kw):
         calls.append(tuple(mx.array(tokens).shape))
         return original(self, tokens, state, **kw)
 
+    def counted_prefill(self, tokens, state, **kw):
+        calls.append(("prefill", *mx.array(tokens).shape))
+        return prefill(self, tokens, state, **kw)
+
     monkeypatch.setattr(type(target), "__call__", counted)
+    monkeypatch.setattr(type(target), "prefill", counted_prefill)
     for n in (1, 5):
         calls.clear()
         rounds = list(generate(target, PROMPTS[:2], None, max_tokens=n))
         assert [len(r) for r in rounds] == [2] * n
-        assert calls == [(1, 11), (1, 3)] + [(2, 1)] * (n - 1)  # two prompts, then steps
+        # two prompts, then steps
+        assert calls == [("prefill", 1, 11), ("prefill", 1, 3)] + [(2, 1)] * (n - 1)
 
 
 def test_plain_sampling_follows_the_target_distribution():

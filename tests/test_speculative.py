@@ -253,13 +253,18 @@ def test_prompt_lookup_drafts_are_exact_and_nothing_proposed_means_a_plain_step(
     target = wrap(model)
     truth = greedy(model, PROMPTS[0], NEW)
     widths = []  # tokens per target forward; the first is the prompt's prefill
-    real_call = type(target).__call__
+    real_call, real_prefill = type(target).__call__, type(target).prefill
 
     def counting(self, tokens, state, **kwargs):
         widths.append(tokens.shape[1])
         return real_call(self, tokens, state, **kwargs)
 
+    def counting_prefill(self, tokens, state, **kwargs):
+        widths.append(tokens.shape[1])
+        return real_prefill(self, tokens, state, **kwargs)
+
     monkeypatch.setattr(type(target), "__call__", counting)
+    monkeypatch.setattr(type(target), "prefill", counting_prefill)
     out, drafted = run(target, PROMPTS[:1], NGramDrafter(), 4)
     assert out == [truth]
     assert drafted > 0

@@ -26,6 +26,7 @@ from .forward import run
 from .kept_caches import KeptCaches
 from .options import chosen
 from .placement import model_placement
+from .prefill import PREFILL_STEP, Progress, checked_step, chunked
 from .tokens import ID_DTYPES, check_batch, check_lengths, checked_ids, guarded, poisoned
 from .tree_forward import tree_run
 
@@ -152,6 +153,52 @@ class WrappedModel:
         logits, new = poisoned(out.logits, bad), self.adopt(out.state, out.logits)
         self.kept.keep(new, out.caches)
         return logits, new
+
+    def prefill(
+        self,
+        tokens: Any,
+        state: ModelState,
+        *,
+        step: int = PREFILL_STEP,
+        progress: Progress | None = None,
+        hidden: bool = False,
+    ) -> Any:
+        """A prompt's forward as mlx-lm's `generate_step` runs it: `tokens` (B, L) from
+        `state` in chunks of `step` positions, each chunk's state evaluated as it is built
+        (its activations freed before the next), the output projection at the last
+        position only (see `prefill`). The state and the logits are those of
+        `m(tokens, state)`, within rounding; memory is one chunk's, not L positions'
+        logits.
+
+        `tokens` as for `__call__` (an id outside the vocabulary in an mx.array makes the
+        row's last logits NaN). `progress(processed, total)`: prompt tokens (rows x
+        positions) through the model, 0 first, after each chunk, then `total` once all is
+        evaluated. `hidden=True` also returns the final hidden states (B, L, D) at every
+        position. Returns `(last logits (B, vocab), state)` or `(logits, state, hidden)`,
+        evaluated; the state's last forward is the last position's one-token forward.
+        """
+        n = checked_step(step)
+        ids, bad = self._checked(tokens, state, None, False)
+        projections = None
+        if hidden:
+            if self._projections is None:
+                self._projections = output_projections(self.model)
+            projections = self._projections
+        caches = self.kept.take(state)
+        model = self.model
+        done = chunked(
+            lambda start, end, last: model,
+            ids,
+            bad,
+            state,
+            step=n,
+            progress=progress,
+            adopt=self.adopt,
+            caches=caches,
+            projections=projections,
+        )
+        self.kept.keep(done.state, done.caches)
+        return (done.logits, done.state, done.hidden) if hidden else (done.logits, done.state)
 
     # `logits, picks, state = m.chain(tokens, state, steps, pick)`: a draft model's steps on
     # its own caches, read back once (see `chain.chain`). A plain function, not a method

@@ -30,7 +30,8 @@ from ..caches.walk import arrays_caches
 from .chain import chain_by_calls
 from .forward import run
 from .model import WrappedModel
-from .tokens import poisoned
+from .prefill import PREFILL_STEP, Progress, checked_step, chunked
+from .tokens import nan_where, poisoned
 
 
 class _Unset:
@@ -165,6 +166,90 @@ class VLMWrappedModel(WrappedModel):
         logits, new = poisoned(out.logits, bad), self.adopt(out.state)
         return (logits, new, out.checkpoints) if capture else (logits, new)
 
+    def prefill(
+        self,
+        tokens: Any,
+        state: ModelState,
+        *,
+        step: int = PREFILL_STEP,
+        progress: Progress | None = None,
+        hidden: bool = False,
+        pixel_values: Any = UNSET,
+        mask: Any = None,
+        inputs_embeds: mx.array | None = None,
+        **model_inputs: Any,
+    ) -> Any:
+        """A prompt's forward as mlx-vlm's `generate_step` runs it: the prompt's inputs
+        (the embedding path, with the extra inputs `__call__` takes) computed once for the
+        whole prompt, then all positions but the last in chunks of `step`, each chunk's
+        state evaluated as it is built and its logits never computed, then the last
+        position alone; every chunk gets its slice of `inputs_embeds` and the prompt's
+        other inputs whole (mlx-vlm's language models slice positions by the cache offset).
+        A model that refuses chunked prefill in mlx-vlm (`no_chunked_prefill`, or its
+        `chunked_prefill_policy`) runs the whole prompt in one forward instead. See
+        `WrappedModel.prefill` for `progress` and the result: `(last logits (B, vocab),
+        state)`, evaluated.
+        """
+        if hidden:
+            raise NotSupportedError("hidden=True is not available for mlx-vlm models yet")
+        n = checked_step(step)
+        ids, bad = self._checked(tokens, state, None, False)
+        inputs = self._inputs(ids, state, pixel_values, mask, inputs_embeds, model_inputs)
+        embeds = inputs.get("inputs_embeds")
+        if not _chunks(self.model, self.language_model, ids, inputs) or (
+            embeds is not None and embeds.shape[1] != ids.shape[1]  # chunks slice both alike
+        ):
+            return self._whole(ids, bad, state, inputs, progress)
+        language_model = self.language_model
+
+        def model_at(start: int, end: int, last: bool) -> Any:
+            if embeds is None:  # a continued conversation's plain tokens
+                return LanguageStep(language_model, inputs)
+            extra = {} if last else {"n_to_process": end - start}  # as generate_step
+            return LanguageStep(
+                language_model, {**inputs, **extra, "inputs_embeds": embeds[:, start:end]}
+            )
+
+        done = chunked(
+            model_at,
+            ids,
+            bad,
+            state,
+            step=n,
+            progress=progress,
+            adopt=self.adopt,
+            convert=to_vlm_cache,
+        )
+        return done.logits, done.state
+
+    def _whole(
+        self,
+        ids: mx.array,
+        bad: mx.array | None,
+        state: ModelState,
+        inputs: dict[str, Any],
+        progress: Progress | None,
+    ) -> tuple[mx.array, ModelState]:
+        """`prefill` for a model that refuses chunks: one forward of the whole prompt."""
+        total = ids.size
+        if progress is not None:
+            progress(0, total)
+        out = run(
+            LanguageStep(self.language_model, inputs),  # type: ignore[arg-type]
+            ids,
+            state,
+            convert=to_vlm_cache,
+            policy=self.bucketing,
+        )
+        logits = out.logits[:, -1]
+        if bad is not None:
+            logits = nan_where(bad.any(axis=1), logits)
+        new = self.adopt(out.state)
+        mx.eval(logits, *tree_flatten(new)[0])
+        if progress is not None:
+            progress(total, total)
+        return logits, new
+
     def tree_forward(self, tokens: Any, state: ModelState, parents: Sequence[int]) -> Any:
         """Not available for mlx-vlm models yet (the tree forward runs mlx-lm's caches)."""
         raise NotSupportedError("tree_forward is not available for mlx-vlm models yet")
@@ -203,6 +288,28 @@ class VLMWrappedModel(WrappedModel):
             k: v for k, v in features.to_dict().items() if k != "inputs_embeds" and v is not None
         }
         return {**model_inputs, **extra, "inputs_embeds": features.inputs_embeds}
+
+
+def _chunks(
+    model: nn.Module, language_model: nn.Module, ids: mx.array, inputs: dict[str, Any]
+) -> bool:
+    """Whether mlx-vlm's `generate_step` would prefill this prompt in chunks: a model's (or
+    its language model's) `chunked_prefill_policy` decides, else `no_chunked_prefill` refuses
+    (encoder-decoder models); without a draft model every other model chunks."""
+    owners = [model] if language_model is model else [model, language_model]
+    for owner in owners:
+        policy = getattr(owner, "chunked_prefill_policy", None)
+        if callable(policy):
+            verdict = policy(
+                input_ids=ids,
+                inputs_embeds=inputs.get("inputs_embeds"),
+                prompt_cache=None,
+                draft_model=None,
+                draft_kind=None,
+                prefill_kwargs=inputs,
+            )
+            return bool(getattr(verdict, "enabled", verdict))
+    return not any(getattr(owner, "no_chunked_prefill", False) for owner in owners)
 
 
 def _started(state: ModelState) -> bool:

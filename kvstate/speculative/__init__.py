@@ -60,7 +60,7 @@ from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
 from ._sampling import Sampler, Verdict, accept
-from ._target import ChainTarget, Target, TreeTarget
+from ._target import ChainTarget, PrefillTarget, Target, TreeTarget
 from ._tree_verify import TreeVerdict, verify_tree
 from ._trees import tree_of_paths
 from ._values import DrafterError
@@ -75,6 +75,7 @@ __all__ = [
     "ModelDrafter",
     "NGramDrafter",
     "PathVerdict",
+    "PrefillTarget",
     "Proposal",
     "Sampler",
     "Target",

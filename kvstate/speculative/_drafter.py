@@ -56,7 +56,9 @@ class Drafter(Protocol):
     them as a keyword, `start(prompts, hidden=[(1, L, D) per prompt])` and `accept(fed,
     kept, hidden=(B, 1 + span, D) over fed)`, and the target then runs with `hidden=True`.
     Other drafters are called exactly as below (a drafter without the attribute counts as
-    False)."""
+    False). A drafter may also say `prefills = True` (it runs a model of its own over the
+    prompts in `start`: `ModelDrafter`, `MTPDrafter`): the generator then passes it its
+    chunk size too, `start(prompts, prefill_step_size=n)`."""
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """The generator prefilled these prompts (one per row) into the target. `key`: the
@@ -101,6 +103,11 @@ class TreeDrafter(Protocol):
         drafts (rejected ones included); `kept` [accepted + 1]."""
 
     def keep_rows(self, rows: list[int]) -> None: ...
+
+
+def prefills(drafter: Any) -> bool:
+    """`drafter.prefills` (see `Drafter`), False for a drafter without it (or None)."""
+    return bool(getattr(drafter, "prefills", False))
 
 
 def uses_hidden(drafter: Any) -> bool:

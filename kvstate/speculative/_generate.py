@@ -10,7 +10,7 @@ words (k, depth, budget, drafted, fed, accepted, kept, emitted) are the package 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -19,11 +19,11 @@ from .. import NotSupportedError, StateError, capabilities, filter
 from ..distributed import agree
 from ..kinds import host_ints
 from ._checks import checked_call, checked_proposal, checked_tree, start_keywords
-from ._drafter import Drafter, TreeDrafter, uses_hidden
+from ._drafter import Drafter, TreeDrafter, prefills, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
 from ._linear_round import linear_round, plain_step
 from ._plain import decode
-from ._prefill import prefill
+from ._prefill import PREFILL_STEP, prefill
 from ._replay import commit_may_be_refused
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, draw, generation_keys, round_key
@@ -43,6 +43,8 @@ def generate(
     adaptive: bool = True,
     seed: int = 0,
     tree: str | None = None,
+    prefill_step_size: int = PREFILL_STEP,
+    prompt_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[list[Token]]:
     """Generate up to `max_tokens` per prompt, yielding the tokens of each round.
 
@@ -70,10 +72,21 @@ def generate(
     vocabulary, a `TokenError`), and so is what the drafter returns each round (a
     `DrafterError` or `TokenError` naming what is wrong): on the host where it already is,
     on the device with the round's one read where it is not.
+
+    The prompts are prefilled as mlx-lm's `generate_step` does: `prefill_step_size`
+    positions per forward, each evaluated as it is built, the output projection at each
+    row's last position only (a drafter with its own model prefills it in chunks of the same
+    size). `prompt_progress(processed, total)`: the target's prompt tokens through the model
+    so far (all rows together), 0 first and `total` last.
     """
     call = checked_call(target, prompts, drafter, k=k, max_tokens=max_tokens, sampler=sampler,
                         eos=eos, adaptive=adaptive, seed=seed, tree=tree)  # fmt: skip
     prompts, sampler, eos, abilities = call
+    if prompt_progress is not None and not callable(prompt_progress):
+        raise StateError(
+            "generate: prompt_progress must be a callable (processed, total) or None; got "
+            f"{prompt_progress!r:.60}"
+        )
     hidden = uses_hidden(drafter)  # MTP heads also get the target's final hidden states
     if tree is not None:
         _check_tree_mode(tree, prompts, drafter, hidden)
@@ -81,12 +94,24 @@ def generate(
     group = abilities.group  # a distributed model's ranks must decide alike; None: one process
     if drafter is None:
         yield from decode(
-            target, prompts, max_tokens=max_tokens, sampler=sampler, eos=eos, key=key, group=group
+            target,
+            prompts,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            eos=eos,
+            key=key,
+            group=group,
+            prefill_step_size=prefill_step_size,
+            prompt_progress=prompt_progress,
         )
         return
-    logits, state, hiddens = prefill(target, prompts, hidden)
+    logits, state, hiddens = prefill(
+        target, prompts, hidden, step=prefill_step_size, progress=prompt_progress
+    )
     vocab = abilities.vocab_size or logits.shape[-1]
     extra = start_keywords(drafter, drafter_key) | ({"hidden": hiddens} if hidden else {})
+    if prefills(drafter):  # a drafter with its own model prefills in the target's chunks
+        extra["prefill_step_size"] = prefill_step_size
     drafter.start([list(p) for p in prompts], **extra)
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints (a verify of attention-only targets skips them),

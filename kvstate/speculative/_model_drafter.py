@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
@@ -31,7 +32,7 @@ from ._checks import (
     started_rows,
 )
 from ._drafter import DraftTree, Proposal
-from ._prefill import prefill
+from ._prefill import PREFILL_STEP, prefill
 from ._replay import run_kept
 from ._sampling import Sampler, draw
 from ._target import Pick, Target
@@ -95,6 +96,7 @@ class ModelDrafter:
     """
 
     uses_hidden = False
+    prefills = True  # the generator passes its prefill_step_size to `start`
 
     def __init__(
         self, draft: Target, seed: int = 0, *, pipelined: bool | None = None, branches: int = 3
@@ -114,13 +116,24 @@ class ModelDrafter:
         self._proposal: _Proposed | Branches | None = None
         self._trims: bool | None = None  # rolls_back_by_trim of the draft state, once known
 
-    def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
-        """Prefill `prompts` into the draft model; `key`: the key of this generation's draws
-        (the generator's, see `Drafter.start`; None: keep drawing from its own seed)."""
+    def start(
+        self,
+        prompts: list[list[int]],
+        *,
+        key: mx.array | None = None,
+        prefill_step_size: int = PREFILL_STEP,
+        prompt_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Prefill the draft model with `prompts` (one per row), as the generator prefills
+        the target: chunks of `prefill_step_size` positions, `prompt_progress(processed,
+        total)` as they go. `key`: the key of this generation's draws (the generator's, see
+        `Drafter.start`; None: keep drawing from its own seed)."""
         prompts = checked_prompts(prompts, self._vocab, "ModelDrafter.start")
         if key is not None:
             self.key = values.prng_key(key, "ModelDrafter.start: key")
-        _, self.state, _ = prefill(self.draft, prompts)
+        _, self.state, _ = prefill(
+            self.draft, prompts, step=prefill_step_size, progress=prompt_progress
+        )
         self.pending, self._proposal = None, None
         self._rows = len(prompts)
         self._trims = rolls_back_by_trim(self.state)

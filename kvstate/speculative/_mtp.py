@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from .. import StateError, commit_prefix, filter, merge
+from .. import eval as eval_state
+from ..kinds import as_int
 from . import _values as values
 from ._checks import (
     checked_depth,
@@ -25,6 +27,7 @@ from ._checks import (
     checked_sampler,
 )
 from ._drafter import Proposal
+from ._prefill import PREFILL_STEP
 from ._sampling import Sampler
 
 
@@ -59,6 +62,7 @@ class MTPDrafter:
     """
 
     uses_hidden = True
+    prefills = True  # the generator passes its prefill_step_size to `start`
 
     def __init__(self, head: DraftHead, seed: int = 0) -> None:
         if isinstance(head, type) or not (
@@ -81,10 +85,13 @@ class MTPDrafter:
         hidden: list[mx.array] | None = None,
         *,
         key: mx.array | None = None,
+        prefill_step_size: int = PREFILL_STEP,
     ) -> None:
         """`hidden`: the target's hidden states over each prompt, (1, L, D) per row; `key`:
         the key of this generation's draws (the generator's, see `Drafter.start`; None: keep
-        drawing from its own seed)."""
+        drawing from its own seed). The head runs over each prompt in chunks of
+        `prefill_step_size` positions, each chunk's state evaluated as it is built (its logits
+        are never used, so never computed)."""
         prompts = checked_prompts(prompts, None, "MTPDrafter.start")
         if not (isinstance(hidden, (list, tuple)) and len(hidden) == len(prompts)):
             got = f"{len(hidden)} of them" if isinstance(hidden, (list, tuple)) else repr(hidden)
@@ -107,10 +114,19 @@ class MTPDrafter:
             )
         if key is not None:
             self.key = values.prng_key(key, "MTPDrafter.start: key")
+        step = as_int(prefill_step_size, "MTPDrafter.start: prefill_step_size", StateError)
+        if step < 1:
+            raise StateError(
+                f"MTPDrafter.start: prefill_step_size must be an int >= 1; got {step!r}"
+            )
         states, pending = [], []
         for prompt, h in zip(prompts, hidden, strict=True):
             before = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
-            states.append(self.head(before, mx.array([prompt]), self.head.init_state())[2])
+            ids, state = mx.array([prompt]), self.head.init_state()
+            for at in range(0, len(prompt), step):
+                state = self.head(before[:, at : at + step], ids[:, at : at + step], state)[2]
+                eval_state(state)
+            states.append(state)
             pending.append(h[:, -1:])
         self.state = states[0] if len(states) == 1 else merge(states)
         self.pending = mx.concatenate(pending, axis=0)

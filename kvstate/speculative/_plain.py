@@ -4,7 +4,7 @@ runs one step while the host reads, yields and builds the next."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -13,7 +13,7 @@ from .. import filter
 from ..distributed import agree
 from ..kinds import host_ints
 from ._emit import Token, logprobs_of
-from ._prefill import prefill
+from ._prefill import PREFILL_STEP, prefill
 from ._sampling import Sampler, draw
 from ._target import Target
 
@@ -27,10 +27,12 @@ def decode(
     eos: Sequence[int],
     key: mx.array,
     group: Any,
+    prefill_step_size: int = PREFILL_STEP,
+    prompt_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[list[Token]]:
     """`generate` without a drafter: one token per live row each round, the same tokens (and
     the same draws of `key`) as one synchronous step a round would give."""
-    logits, state, _ = prefill(target, prompts)
+    logits, state, _ = prefill(target, prompts, step=prefill_step_size, progress=prompt_progress)
     key, y = draw(sampler, logits, key)
     logprobs = logprobs_of(logits)
     mx.async_eval(y, logprobs)

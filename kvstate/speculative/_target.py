@@ -14,14 +14,19 @@ from ..distributed import group_of
 Pick = Callable[[mx.array], mx.array]
 """(B, vocab) logits of a step's last position -> (B,) or (B, 1) integer ids: the next input."""
 
+Progress = Callable[[int, int], None]
+"""`progress(processed, total)`: prompt tokens a prefill has run through the model so far."""
+
 
 class Target(Protocol):
     """A model as the generator, the verify functions and `ModelDrafter` call it: a pure view
     whose forward takes a kvstate state and returns a new one.
 
     Optional abilities (see `Abilities`): `tree_forward` (`TreeTarget`: tree verification),
-    `chain` (`ChainTarget`: a draft model's steps on its own caches) and `group` (a model
-    split over processes with `mx.distributed`: its ranks' decisions are checked to agree).
+    `chain` (`ChainTarget`: a draft model's steps on its own caches), `prefill`
+    (`PrefillTarget`: a prompt's forward in chunks; without it the generator runs the same
+    chunks through the calls) and `group` (a model split over processes with
+    `mx.distributed`: its ranks' decisions are checked to agree).
     """
 
     @property
@@ -67,6 +72,25 @@ class ChainTarget(Target, Protocol):
         ...
 
 
+class PrefillTarget(Target, Protocol):
+    """A target with its own prefill (a wrapped model's `prefill`)."""
+
+    def prefill(
+        self,
+        tokens: Any,
+        state: Any,
+        *,
+        step: int = 2048,
+        progress: Progress | None = None,
+        hidden: bool = False,
+    ) -> Any:
+        """`tokens` (B, L) from `state` as mlx-lm's `generate_step` prefills: chunks of
+        `step` positions, each evaluated as it is built, the logits of the last position
+        only: `(logits (B, vocab), state)`, then the final hidden states (B, L, D) when
+        `hidden`, evaluated; `progress(processed, total)` with 0 first and `total` last."""
+        ...
+
+
 class Abilities(NamedTuple):
     """The optional parts of a target, probed once (at `generate()` and `ModelDrafter()`
     entry, or where a public verify function starts) instead of wherever they are used."""
@@ -75,6 +99,7 @@ class Abilities(NamedTuple):
     tree_forward: Callable[..., tuple[mx.array, Any, Any]] | None
     chain: Callable[..., tuple[mx.array, mx.array, Any]] | None
     group: Any  # the distributed group of a split model; None in one process
+    prefill: Callable[..., Any] | None = None  # PrefillTarget.prefill
 
     @classmethod
     def of(cls, target: Target) -> Abilities:
@@ -83,4 +108,5 @@ class Abilities(NamedTuple):
             getattr(target, "tree_forward", None),
             getattr(target, "chain", None),
             group_of(target),
+            getattr(target, "prefill", None),
         )
