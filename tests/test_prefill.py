@@ -241,7 +241,7 @@ def test_generate_passes_its_chunk_size_to_drafters_that_prefill(monkeypatch: An
     list(generate(m, [PROMPT], ModelDrafter(m), max_tokens=3, prefill_step_size=5))
     list(generate(m, [PROMPT], MTPDrafter(TargetHead(tiny_model("llama"))), max_tokens=3,
                   prefill_step_size=6))  # fmt: skip
-    assert got[0] == {"prefill_step_size": 5}
+    assert got[0]["prefill_step_size"] == 5 and set(got[0]) == {"key", "prefill_step_size"}
     assert got[1]["prefill_step_size"] == 6
     list(generate(m, [PROMPT], NGramDrafter(), max_tokens=3, prefill_step_size=5))  # no keyword
 
@@ -294,3 +294,9 @@ def test_a_prefill_continues_a_state_it_did_not_start() -> None:
     assert_decodes_alike(m, state, reference)
     for a, b in zip(kept, ks.tree_flatten(start)[0], strict=True):
         np.testing.assert_array_equal(a, np.array(b))
+
+
+def test_a_progress_that_is_not_callable_is_refused_before_anything_runs() -> None:
+    m = wrap(tiny_model("llama"))
+    with pytest.raises(ks.StateError, match="prompt_progress must be a callable"):
+        next(generate(m, [PROMPT], max_tokens=2, prompt_progress=5))  # type: ignore[arg-type]
