@@ -178,8 +178,8 @@ async def _stream(running: RunningJob, shaper: Shaper, counters: Counters) -> As
     cancels what still runs."""
     finished = False
     try:
-        for chunk in shaper.first_chunks():
-            yield event(chunk)
+        for opening in shaper.first_chunks():
+            yield event(opening)
         try:
             async for e in running.events():
                 chunk = shaper.chunk(e)
