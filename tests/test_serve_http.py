@@ -5,6 +5,7 @@ for every greedy reply is mlx-lm's own `generate_step` on the same prompt alone.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -19,9 +20,10 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from kvstate.adapters.tiny_models import byte_tokenizer, tiny_model  # noqa: E402
+from kvstate.serve.cli import parser  # noqa: E402
 from kvstate.serve.prompts import fallback_text  # noqa: E402
 from tests.helpers import greedy_reference  # noqa: E402
-from tests.serving import Server, get, post, sse_events, stream, wait_until  # noqa: E402
+from tests.serving import ROOT, Server, get, post, sse_events, stream, wait_until  # noqa: E402
 
 MODEL = "tiny:llama"
 MAX_BATCH = 8  # below the 16 concurrent streams: some wait in the queue
@@ -66,6 +68,10 @@ def status(server: Server) -> dict[str, Any]:
     code, body = get(server.port, "/v1/status")
     assert code == 200
     return body
+
+
+def idle(s: dict[str, Any]) -> bool:
+    return s["running"] == s["prefilling"] == s["queued"] == 0
 
 
 def test_completion_equals_generate_step_streaming_or_not(server, model, tokenizer):
@@ -322,7 +328,7 @@ def test_a_disconnected_stream_is_cancelled_at_once(server):
     for _ in range(3):
         next(events)
     conn.close()  # mid-stream: the other 3,990-odd tokens are never generated
-    wait_until(lambda: status(server)["running"] == 0, 10, "the request is cancelled")
+    wait_until(lambda: idle(status(server)), 10, "the request is cancelled")
     after = status(server)
     assert after["requests"]["disconnected"] == before["requests"]["disconnected"] + 1
     assert after["generated_tokens"] - before["generated_tokens"] < 1000
@@ -377,9 +383,35 @@ def test_sixteen_concurrent_streams_one_leaving_midway(server, model, tokenizer)
         if i != leaver:
             want = greedy_reference(model, tokenizer.encode(prompts[i]), lengths[i])
             assert results[i] == want, i
-    wait_until(lambda: status(server)["running"] == 0, 10, "every request is done")
+    wait_until(lambda: idle(status(server)), 10, "every request is done")
     ids = tokenizer.encode("afterwards")
     reply = client(server).completions.create(
         model=MODEL, prompt=ids, max_tokens=6, extra_body={"return_token_ids": True}
     )
     assert token_ids(reply.choices[0]) == greedy_reference(model, ids, 6)
+
+
+def readme_server_block(language: str) -> str:
+    section = (ROOT / "README.md").read_text().split("## Server", 1)[1]
+    match = re.search(rf"```{language}\n(.*?)```", section, re.S)
+    assert match, "the README lost its server example"
+    return match.group(1)
+
+
+def test_readme_server_example_runs_against_the_server(server, capsys):
+    code = readme_server_block("python").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    first, streamed = printed.split("\n", 1)
+    assert first.endswith(" 16")  # the reply's completion tokens
+    assert streamed.startswith("'") and streamed.count("'") >= 2  # the streamed texts
+
+
+def test_readme_server_command_parses():
+    command = readme_server_block("bash").split("kvstate-serve", 1)[1].split()
+    args = parser().parse_args(command)
+    assert args.model == MODEL and args.port == 8000
+    assert (
+        "serve" in readme_server_block("bash")
+        and "kvstate-serve" in (ROOT / "pyproject.toml").read_text()
+    )

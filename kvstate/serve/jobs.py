@@ -63,7 +63,18 @@ class RunningJob:
             try:
                 choice.request = await self._engine.submit(prompt, params, self._sink, index)
             except StateError as error:
-                raise BadRequest(f"the engine refused the request: {error}") from error
+                raise BadRequest(
+                    f"the engine refused the request: {error}", self._param(error)
+                ) from error
+
+    def _param(self, error: StateError) -> str | None:
+        """The request field an engine refusal names (its `field`, when it has one)."""
+        field = getattr(error, "field", None)
+        if not isinstance(field, str):
+            return None
+        if field == "prompt" and self.job.chat:
+            return "messages"
+        return "stop_token_ids" if field == "stop_ids" else field
 
     def close(self) -> None:
         for choice in self._choices:

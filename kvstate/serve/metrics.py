@@ -17,6 +17,7 @@ def status(model: str, stats: dict[str, Any], counters: dict[str, int]) -> dict[
     return {
         "model": model,
         "running": stats.get("running", 0),
+        "prefilling": stats.get("prefilling", 0),
         "queued": stats.get("queued", 0),
         "tokens_per_s": stats.get("tokens_per_s", 0.0),
         "generated_tokens": stats.get("generated_tokens", 0),

@@ -204,7 +204,10 @@ def _job(
     try:
         params = RequestParams(**values)
     except StateError as error:  # an engine's own bounds, past the checks above
-        raise BadRequest(f"the engine refused the parameters: {error}") from error
+        field = getattr(error, "field", None)  # the engine's name for it, when it says
+        raise BadRequest(
+            f"the engine refused the parameters: {error}", field if isinstance(field, str) else None
+        ) from error
     return Job(
         chat=chat,
         prompts=prompts,
