@@ -23,7 +23,7 @@ from kvstate.adapters.tiny_models import byte_tokenizer, tiny_model  # noqa: E40
 from kvstate.serve.cli import parser  # noqa: E402
 from kvstate.serve.prompts import fallback_text  # noqa: E402
 from tests.helpers import greedy_reference  # noqa: E402
-from tests.serving import ROOT, Server, get, post, sse_events, stream, wait_until  # noqa: E402
+from tests.serving import ROOT, Server, connection, get, post, sse_events, stream, wait_until  # noqa: E402
 
 MODEL = "tiny:llama"
 MAX_BATCH = 8  # below the 16 concurrent streams: some wait in the queue
@@ -328,6 +328,19 @@ def test_a_disconnected_stream_is_cancelled_at_once(server):
     for _ in range(3):
         next(events)
     conn.close()  # mid-stream: the other 3,990-odd tokens are never generated
+    wait_until(lambda: idle(status(server)), 10, "the request is cancelled")
+    after = status(server)
+    assert after["requests"]["disconnected"] == before["requests"]["disconnected"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 1000
+
+
+def test_a_client_leaving_before_a_whole_reply_cancels_it(server):
+    before = status(server)
+    conn = connection(server.port)
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 4000}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode())
+    wait_until(lambda: status(server)["running"] == 1, 10, "the request runs")
+    conn.close()  # without reading: nobody will read the reply
     wait_until(lambda: idle(status(server)), 10, "the request is cancelled")
     after = status(server)
     assert after["requests"]["disconnected"] == before["requests"]["disconnected"] + 1
