@@ -74,6 +74,10 @@ def create_app(
     created = int(time.time())
 
     async def serve(request: Request, parse: Callable[[Any, ModelFacts], Job]) -> Response:
+        if not engine.alive:  # its submits would never be answered
+            counters.failed += 1
+            message = "the engine thread has stopped; restart the server"
+            return JSONResponse(error_body(message, kind="server_error"), status_code=503)
         try:
             job = parse(await _json_body(request), facts)
             running = RunningJob(job, engine, tokenizer)

@@ -4,7 +4,7 @@
     served = load_served_model("/path/to/mlx-model")  # a local mlx-lm model directory
     served = load_served_model("smollm2-135m")        # packaged (kvstate.adapters.load_model)
 
-The server is the only user; the loaders themselves are kvstate.adapters'.
+The loaders are kvstate.adapters' and mlx-lm's; this module only picks one by the spec.
 """
 
 from __future__ import annotations

@@ -116,17 +116,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            if not self._take_commands(block=not self._engine.has_work()):
-                return
-            if not self._engine.has_work():
-                continue
             try:
-                outputs = self._engine.step()
-            except Exception as error:
+                if not self._take_commands(block=not self._engine.has_work()):
+                    return
+                if not self._engine.has_work():
+                    continue
+                self._dispatch(self._engine.step())
+                self._stats = self._engine.stats()
+            except Exception as error:  # the engine's, never bad input: submit refuses that
                 self._fail(error)
-                continue
-            self._dispatch(outputs)
-            self._stats = self._engine.stats()
 
     def _take_commands(self, block: bool) -> bool:
         """Apply every waiting command (waiting for one first when `block`); False on stop."""
@@ -142,7 +140,10 @@ class EngineLoop:
 
     def _apply(self, command: _Submit | _Cancel) -> None:
         if isinstance(command, _Cancel):
-            self._engine.cancel(command.request)
+            try:
+                self._engine.cancel(command.request)
+            except Exception:  # a request of an engine replaced since: nothing to stop
+                log.warning("cancel of request %s refused", command.request.id, exc_info=True)
             return
         loop = command.sink.loop
         try:
