@@ -291,3 +291,27 @@ def test_metrics():
     text = prometheus_text(stats, {"completed": 4})
     assert "kvstate_running 2\n" in text and "kvstate_prefix_hit_rate 0.75\n" in text
     assert 'kvstate_requests_total{outcome="completed"} 4' in text and "note" not in text
+
+
+def test_nothing_imports_the_server():
+    """The server is the top floor (DESIGN.md): no module of the library imports it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    serve = root / "kvstate" / "serve"
+    found = []
+    for path in [*(root / "kvstate").rglob("*.py"), *(root / "adapters").rglob("*.py")]:
+        if serve in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n == "kvstate.serve" or n.startswith("kvstate.serve.") for n in names):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found
