@@ -172,11 +172,14 @@ class EngineLoop:
         log.exception("engine step failed; its requests end with an error, a new engine starts")
         self._failures += 1
         message = f"the engine failed: {type(error).__name__}: {error}"
-        for sink in {id(s): s for s, _ in self._sinks.values()}.values():
-            sink.put(Failure(message))
+        failed = {id(s): s for s, _ in self._sinks.values()}.values()
         self._sinks.clear()
-        self._engine = self._make_engine()
-        self._stats = self._engine.stats()
+        try:  # the new engine first: a client told of the failure may send at once
+            self._engine = self._make_engine()
+            self._stats = self._engine.stats()
+        finally:
+            for sink in failed:
+                sink.put(Failure(message))
 
 
 def _settle(
