@@ -241,7 +241,7 @@ def test_generate_passes_its_chunk_size_to_drafters_that_prefill(monkeypatch: An
     list(generate(m, [PROMPT], ModelDrafter(m), max_tokens=3, prefill_step_size=5))
     list(generate(m, [PROMPT], MTPDrafter(TargetHead(tiny_model("llama"))), max_tokens=3,
                   prefill_step_size=6))  # fmt: skip
-    assert got[0] == {"prefill_step_size": 5}
+    assert got[0]["prefill_step_size"] == 5 and set(got[0]) == {"prefill_step_size", "key"}
     assert got[1]["prefill_step_size"] == 6
     list(generate(m, [PROMPT], NGramDrafter(), max_tokens=3, prefill_step_size=5))  # no keyword
 

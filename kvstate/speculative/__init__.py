@@ -55,6 +55,7 @@ from . import _values as values
 from ._checks import checked_step_prompt
 from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
+from ._generation import Generation
 from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
@@ -71,6 +72,7 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "DrafterError",
+    "Generation",
     "MTPDrafter",
     "ModelDrafter",
     "NGramDrafter",
