@@ -152,9 +152,9 @@ def test_states_are_not_kept_unless_asked_and_not_before_a_round() -> None:
     g = generate(target, FIRST, None, max_tokens=2)
     list(g)
     with pytest.raises(ks.StateError, match="keep_states=True"):
-        g.states
+        _ = g.states
     with pytest.raises(ks.StateError, match="iterate"):
-        generate(target, FIRST, None, max_tokens=2, keep_states=True).states
+        _ = generate(target, FIRST, None, max_tokens=2, keep_states=True).states
 
 
 def test_the_state_passed_in_is_left_as_it_was() -> None:
