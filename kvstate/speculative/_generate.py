@@ -29,7 +29,7 @@ from ._checks import (
 )
 from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
-from ._generation import Finals, Generation
+from ._generation import Counts, Finals, Generation
 from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
 from ._linear_round import Stops, linear_round, plain_step
 from ._plain import decode
@@ -126,6 +126,7 @@ def generate(
     Returns a `Generation`: iterate it for each round's tokens.
     """
     finals = Finals(target) if keep_states is True else None
+    counts = Counts()
     rounds = _rounds(
         target,
         prompts,
@@ -140,6 +141,7 @@ def generate(
         prefill_step_size=prefill_step_size,
         prompt_progress=prompt_progress,
         finals=finals,
+        counts=counts,
         options={
             "states": states,
             "history": history,
@@ -151,7 +153,7 @@ def generate(
             "quantized_kv_start": quantized_kv_start,
         },
     )
-    return Generation(rounds, finals)
+    return Generation(rounds, finals, counts)
 
 
 def _rounds(
@@ -169,6 +171,7 @@ def _rounds(
     prefill_step_size: int,
     prompt_progress: Callable[[int, int], None] | None,
     finals: Finals | None,
+    counts: Counts,
     options: dict[str, Any],
 ) -> Iterator[list[Token]]:
     """`generate`'s rounds (its arguments as given, checked here)."""
@@ -289,6 +292,8 @@ def _rounds(
                                          sub, plan, vocab, Stops(room, eos), process)  # fmt: skip
         if quantization is not None:
             live.state = quantization.after(live.state)
+        counts.drafted += len(candidates.tokens) if candidates is not None else _drafted(proposal)
+        counts.accepted += sum(r.accepted)
         if processors is not None:
             processors.commit(r.fed, r.kept)
         if group is not None:
@@ -301,6 +306,11 @@ def _rounds(
         out = live.emit(r, max_tokens, eos)
         done = finish(out, live.emitted, max_tokens, eos, live.rows)
         live.last = r.next_tokens
+
+
+def _drafted(proposal: Any) -> int:
+    """The drafts a linear round verified (none for a plain step)."""
+    return 0 if proposal is None else sum(proposal.counts)
 
 
 def _fresh(target: Target, max_kv_size: int | None) -> Callable[[int], Any] | None:

@@ -93,16 +93,38 @@ def final_states(
     return finals
 
 
+class Counts:
+    """A generation's drafts so far: `drafted` (verified: each round's drafts, a tree's
+    nodes) and `accepted` (kept by the target), over every row."""
+
+    def __init__(self) -> None:
+        self.drafted = 0
+        self.accepted = 0
+
+
 class Generation(Iterator[list[Token]]):
     """The rounds of a generation (`generate`): iterate it for each round's tokens, as
     before. With `keep_states=True`, `states` then gives each row's final state (see the
     module docstring); a generation stopped early (a `break`) gives each row's state so far.
     """
 
-    def __init__(self, rounds: Iterator[list[Token]], finals: Finals | None) -> None:
+    def __init__(
+        self, rounds: Iterator[list[Token]], finals: Finals | None, counts: Counts | None = None
+    ) -> None:
         self._rounds = rounds
         self._finals = finals
+        self._counts = counts or Counts()
         self._started = False
+
+    @property
+    def drafted(self) -> int:
+        """The drafts verified so far, every row's (0 without a drafter)."""
+        return self._counts.drafted
+
+    @property
+    def accepted(self) -> int:
+        """The drafts the target accepted so far, every row's."""
+        return self._counts.accepted
 
     def __iter__(self) -> Generation:
         return self
