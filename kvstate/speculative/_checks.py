@@ -19,8 +19,7 @@ from typing import Any, NamedTuple, cast
 import mlx.core as mx
 import numpy as np
 
-from .. import RowError, State, StateError, TokenError, batch_size
-from ..quantization import BITS, GROUP_SIZES
+from .. import DenseKV, RowError, State, StateError, TokenError, batch_size, quantize
 from . import _values as values
 from ._drafter import DraftTree, Proposal
 from ._sampling import Sampler
@@ -185,11 +184,12 @@ def checked_extras(
         bits = values.integer(kv_bits, f"{where}: kv_bits (None: no quantization)")
         group = values.integer(kv_group_size, f"{where}: kv_group_size")
         start = values.integer(quantized_kv_start, f"{where}: quantized_kv_start", 0)
-        if bits not in BITS or group not in GROUP_SIZES:
+        try:  # what kvstate.quantize takes, asked of an empty layer
+            quantize(DenseKV(), bits, group)
+        except StateError as e:
             raise StateError(
-                f"{where}: kv_bits={bits}, kv_group_size={group}: kv_bits must be one of "
-                f"{list(BITS)} and kv_group_size one of {list(GROUP_SIZES)}"
-            )
+                f"{where}: kv_bits={bits}, kv_group_size={group} are not supported: {e}"
+            ) from None
         kv = (bits, group, start)
     return Extras(starts, ids, keep, processors, size, kv)
 
