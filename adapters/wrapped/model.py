@@ -72,15 +72,20 @@ class WrappedModel:
         self._ropes: list[nn.Module] | None = None  # found at the first tree forward
         self.kept = KeptCaches()  # the last plain forward's caches (see `kept_caches`)
 
-    def init_state(self, batch_size: int = 1) -> ModelState:
+    def init_state(self, batch_size: int = 1, *, max_kv_size: int | None = None) -> ModelState:
         """An empty state for `batch_size` rows, built by the model's own cache factory
-        (batched through the cache classes' own merge, exactly like mlx-lm's BatchGenerator)."""
+        (batched through the cache classes' own merge, exactly like mlx-lm's BatchGenerator).
+        `max_kv_size`: as mlx-lm's `make_prompt_cache(model, max_kv_size)`, rotating caches
+        of that size (keeping the first 4 tokens) for a model without a factory of its own."""
         rows = as_int(batch_size, "init_state: batch_size", ShapeError)
         if rows < 1:
             raise ShapeError(f"init_state: batch_size must be an int >= 1; got {batch_size!r}")
-        if rows == 1:
-            return self.adopt(from_mlx_lm(self._new_caches()))
-        return self.adopt(from_mlx_lm(self._merged([self._new_caches() for _ in range(rows)])))
+        if max_kv_size is not None:
+            size = as_int(max_kv_size, "init_state: max_kv_size", StateError)
+            if size < 5:  # the rotating cache keeps 4 tokens: a window must hold more
+                raise StateError(f"init_state: max_kv_size must be an int > 4; got {size}")
+        caches = [self._new_caches(max_kv_size) for _ in range(rows)]
+        return self.adopt(from_mlx_lm(caches[0] if rows == 1 else self._merged(caches)))
 
     @property
     def vocab_size(self) -> int:
@@ -300,9 +305,9 @@ class WrappedModel:
 
     # -- what the mlx-vlm model changes ------------------------------------------------------
 
-    def _new_caches(self) -> list[Any]:
+    def _new_caches(self, max_kv_size: int | None = None) -> list[Any]:
         """The model's own empty caches for one row."""
-        return make_prompt_cache(self.model)
+        return make_prompt_cache(self.model, max_kv_size=max_kv_size)
 
     def _merged(self, rows: list[list[Any]]) -> list[Any]:
         """One row's caches per element of `rows`, merged into one batch."""

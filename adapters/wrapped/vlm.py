@@ -105,8 +105,8 @@ class VLMWrappedModel(WrappedModel):
         )
         self.language_model = cast(nn.Module, getattr(model, "language_model", model))
 
-    def _new_caches(self) -> list[Any]:
-        return make_prompt_cache(self.language_model)
+    def _new_caches(self, max_kv_size: int | None = None) -> list[Any]:
+        return make_prompt_cache(self.language_model, max_kv_size=max_kv_size)
 
     def _merged(self, rows: list[list[Any]]) -> list[Any]:
         # Rows batched through mlx-vlm's cache classes' own `merge`.

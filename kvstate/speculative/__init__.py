@@ -16,6 +16,13 @@ The target is anything with the `Target` protocol (a wrapped model is one). Ever
 and what a drafter returns each round, is checked (`_checks`): a `StateError` subclass
 naming what is wrong (`DrafterError` for a drafter's output the round cannot verify).
 
+`generate` returns a `Generation` (iterate it for the rounds); it continues rows from states
+(`states=`, with `history=` for the drafter and the logits processors) and with
+`keep_states=True` hands back each row's final state (`Generation.states`), to continue a
+chat or keep a prompt cache; it takes mlx-lm's `generate_step` options (`logits_processors`,
+`max_kv_size`, `kv_bits` / `kv_group_size` / `quantized_kv_start`, `Sampler(min_p=)`).
+Text on top of it: `kvstate.text`.
+
 A round has four phases: propose (the drafter drafts after each row's last token), verify
 (one forward of the target over the last tokens and the drafts), accept (each row's longest
 prefix of drafts the target agrees with, or exact speculative sampling), commit (each row
@@ -55,6 +62,7 @@ from . import _values as values
 from ._checks import checked_step_prompt
 from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
+from ._generation import Generation
 from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
@@ -71,6 +79,7 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "DrafterError",
+    "Generation",
     "MTPDrafter",
     "ModelDrafter",
     "NGramDrafter",

@@ -13,13 +13,13 @@ and the fix; NotSupportedError is for well-formed requests the package cannot se
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
 
-from .. import RowError, StateError, TokenError
+from .. import DenseKV, RowError, State, StateError, TokenError, batch_size, quantize
 from . import _values as values
 from ._drafter import DraftTree, Proposal
 from ._sampling import Sampler
@@ -52,10 +52,11 @@ def checked_call(
 ) -> Call:
     """`generate`'s arguments checked (StateError subclasses naming each), the prompts as
     lists of ints, the sampler (greedy for None), eos as a tuple and the target's
-    abilities (probed once)."""
+    abilities (probed once). `k` means nothing without a drafter (any int >= 0 is taken);
+    `max_tokens` 0 is an empty generation."""
     abilities = checked_target(target, where)
-    values.integer(k, f"{where}: k", 1)
-    values.integer(max_tokens, f"{where}: max_tokens", 1)
+    values.integer(k, f"{where}: k", 1 if drafter is not None else 0)
+    values.integer(max_tokens, f"{where}: max_tokens", 0)
     values.flag(adaptive, f"{where}: adaptive")
     values.seed(seed, f"{where}: seed")
     vocab = abilities.vocab_size
@@ -84,29 +85,39 @@ def checked_target(target: Any, where: str) -> Abilities:
 
 
 def checked_prompts(prompts: Any, vocab: int | None, where: str) -> list[list[int]]:
-    """One list of ids per row (a list / tuple of rows, each a sequence or 1-d array of
-    ints; or a 2-d integer array), each non-empty and inside the vocabulary."""
+    """One list of ids per row, each non-empty and inside the vocabulary, from what mlx-lm
+    takes as prompts: one flat list of ids or a 1-d array (one prompt), a 2-d array (rows),
+    or a list / tuple of rows, each a sequence or 1-d array of ints."""
     if isinstance(prompts, (str, bytes)) or not isinstance(
         prompts, (list, tuple, np.ndarray, mx.array)
     ):
         raise TokenError(
-            f"{where}: prompts must be a list of prompts, each a list of token ids; got "
-            f"{prompts!r:.80}"
+            f"{where}: prompts must be token ids: a list of ids or a 1-d array (one prompt), "
+            f"a list of such rows or a 2-d array (rows, ids); got {prompts!r:.80}"
+            + (" (encode text with the tokenizer first, or use kvstate.text)" if
+               isinstance(prompts, str) else "")
+        )  # fmt: skip
+    if isinstance(prompts, (np.ndarray, mx.array)):
+        integer = (
+            mx.issubdtype(prompts.dtype, mx.integer)
+            if isinstance(prompts, mx.array)
+            else prompts.dtype.kind in "iu"
         )
-    if isinstance(prompts, (np.ndarray, mx.array)) and prompts.ndim != 2:
-        raise TokenError(
-            f"{where}: prompts as an array must be 2-d (rows, ids); got shape "
-            f"{tuple(prompts.shape)}"
-        )
+        if prompts.ndim == 2 and integer:
+            prompts = prompts.tolist()  # one read for every row
+        elif prompts.ndim in (1, 2):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        else:
+            raise TokenError(
+                f"{where}: prompts as an array must be 1-d (one prompt) or 2-d (rows, ids); "
+                f"got shape {tuple(prompts.shape)}"
+            )
     if len(prompts) == 0:
         raise TokenError(
             f"{where}: prompts is empty; give at least one prompt, each with at least one token"
         )
     if isinstance(prompts, (list, tuple)) and all(values.is_integer(p) for p in prompts):
-        raise TokenError(
-            f"{where}: prompts must be a list of prompts (rows); got one flat list of ids "
-            f"{list(prompts)!r:.60}: pass [[...]] for a single prompt"
-        )
+        prompts = [prompts]  # one flat list of ids: one prompt, as mlx-lm's generate_step
     rows = [values.ids(p, f"{where}: prompts[{i}]", vocab) for i, p in enumerate(prompts)]
     empty = [i for i, r in enumerate(rows) if not r]
     if empty:
@@ -115,6 +126,124 @@ def checked_prompts(prompts: Any, vocab: int | None, where: str) -> list[list[in
             "least one token"
         )
     return rows
+
+
+class Extras(NamedTuple):
+    """`generate`'s continuation and decoding options, checked."""
+
+    states: list[Any] | None  # per row: a batch-1 state to continue, or None (fresh)
+    history: list[list[int]]  # per row: the ids its state holds ([] where not given)
+    keep_states: bool
+    processors: list[Callable[..., Any]] | None
+    max_kv_size: int | None
+    kv: tuple[int, int, int] | None  # (bits, group size, start)
+
+
+def checked_extras(
+    rows: int,
+    vocab: int | None,
+    *,
+    states: Any,
+    history: Any,
+    keep_states: Any,
+    logits_processors: Any,
+    max_kv_size: Any,
+    kv_bits: Any,
+    kv_group_size: Any,
+    quantized_kv_start: Any,
+    where: str = "generate",
+) -> Extras:
+    """The continuation (`states`, `history`, `keep_states`) and mlx-lm's decoding options
+    (`logits_processors`, `max_kv_size`, `kv_bits` / `kv_group_size` /
+    `quantized_kv_start`), checked: a StateError subclass naming the argument."""
+    starts = _checked_states(states, rows, where)
+    ids = _checked_history(history, starts, rows, vocab, where)
+    keep = values.flag(keep_states, f"{where}: keep_states")
+    processors = None
+    if logits_processors is not None:
+        if callable(logits_processors) or not isinstance(logits_processors, (list, tuple)):
+            raise StateError(
+                f"{where}: logits_processors must be a list of callables (tokens, logits) -> "
+                f"logits (mlx_lm.sample_utils.make_logits_processors gives one) or None; got "
+                f"{logits_processors!r:.60}" + (": pass [it]" if callable(logits_processors)
+                                               else "")
+            )  # fmt: skip
+        bad = [i for i, p in enumerate(logits_processors) if not callable(p)]
+        if bad:
+            raise StateError(
+                f"{where}: logits_processors[{bad[0]}] is not callable; each takes (tokens, "
+                f"logits) and returns logits; got {logits_processors[bad[0]]!r:.60}"
+            )
+        processors = list(logits_processors) or None
+    size = None
+    if max_kv_size is not None:
+        # mlx-lm's rotating cache keeps the first 4 tokens: a window must hold more.
+        size = values.integer(max_kv_size, f"{where}: max_kv_size (None: unbounded)", 5)
+    kv = None
+    if kv_bits is not None:
+        bits = values.integer(kv_bits, f"{where}: kv_bits (None: no quantization)")
+        group = values.integer(kv_group_size, f"{where}: kv_group_size")
+        start = values.integer(quantized_kv_start, f"{where}: quantized_kv_start", 0)
+        try:  # what kvstate.quantize takes, asked of an empty layer
+            quantize(DenseKV(), bits, group)
+        except StateError as e:
+            raise StateError(
+                f"{where}: kv_bits={bits}, kv_group_size={group} are not supported: {e}"
+            ) from None
+        kv = (bits, group, start)
+    return Extras(starts, ids, keep, processors, size, kv)
+
+
+def _checked_states(states: Any, rows: int, where: str) -> list[Any] | None:
+    """None, or one batch-1 kvstate state (or None) per prompt."""
+    if states is None:
+        return None
+    if not isinstance(states, (list, tuple)):
+        raise StateError(
+            f"{where}: states must be a list with one state (or None) per prompt; got a "
+            f"{type(states).__name__}" + (": pass [state]" if isinstance(states, State) else "")
+        )
+    if len(states) != rows:
+        raise StateError(
+            f"{where}: states has {len(states)} entries for {rows} prompts; give one state "
+            "(or None, to start fresh) per prompt"
+        )
+    for i, s in enumerate(states):
+        if s is not None and not isinstance(s, State):
+            raise StateError(
+                f"{where}: states[{i}] must be a kvstate state (a generation's "
+                f"`states`, kvstate.load(path), kvstate.adapters.from_mlx_lm(caches)) or "
+                f"None; got a {type(s).__name__}"
+            )
+        if s is not None and batch_size(s) != 1:
+            raise RowError(
+                f"{where}: states[{i}] holds {batch_size(s)} rows; each prompt continues "
+                "one row: pass kvstate.extract(state, row) for each"
+            )
+    return None if all(s is None for s in states) else list(states)
+
+
+def _checked_history(
+    history: Any, states: list[Any] | None, rows: int, vocab: int | None, where: str
+) -> list[list[int]]:
+    """Per row the ids its state holds (`[]` for none), inside the vocabulary."""
+    if history is None:
+        return [[] for _ in range(rows)]
+    if not isinstance(history, (list, tuple)) or len(history) != rows:
+        raise TokenError(
+            f"{where}: history must be a list with, per prompt, the ids its state holds (or "
+            f"None); got {history!r:.60}"
+        )
+    ids = [[] if h is None else values.ids(h, f"{where}: history[{i}]", vocab)
+           for i, h in enumerate(history)]  # fmt: skip
+    orphans = [i for i, h in enumerate(ids) if h and (states is None or states[i] is None)]
+    if orphans:
+        raise StateError(
+            f"{where}: history[{orphans[0]}] is given but states[{orphans[0]}] is None: the "
+            "history is what a state holds; give the state too, or prepend the ids to the "
+            "prompt"
+        )
+    return ids
 
 
 def sampler_of(sampler: Any, name: str) -> Sampler:

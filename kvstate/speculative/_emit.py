@@ -34,6 +34,18 @@ def cut(tokens: list[Token], emitted: int, max_tokens: int, eos: Sequence[int]) 
     return within
 
 
+def kept_drafts(drafts: Sequence[int], accepted: int, room: int, eos: Sequence[int]) -> int:
+    """The accepted drafts a row keeps: at most `room` (the tokens it may still emit) and
+    through its first end token. Its emitted tokens are then `drafts[:kept]` and, when
+    `kept == accepted` and there is room, its next token."""
+    kept = min(accepted, room)
+    if eos:
+        for j, t in enumerate(drafts[:kept]):
+            if t in eos:
+                return j + 1
+    return kept
+
+
 def finish(
     tokens: list[Token],
     emitted: list[int],

@@ -10,6 +10,7 @@ words (k, depth, budget, drafted, fed, accepted, kept, emitted) are the package 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -18,12 +19,22 @@ import mlx.core as mx
 from .. import NotSupportedError, StateError, capabilities, filter
 from ..distributed import agree
 from ..kinds import host_ints
-from ._checks import checked_call, checked_proposal, checked_tree, start_keywords
-from ._drafter import Drafter, TreeDrafter, prefills, uses_hidden
+from ._checks import (
+    Extras,
+    checked_call,
+    checked_extras,
+    checked_proposal,
+    checked_tree,
+    start_keywords,
+)
+from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
-from ._linear_round import linear_round, plain_step
+from ._generation import Counts, Finals, Generation
+from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
+from ._linear_round import Stops, linear_round, plain_step
 from ._plain import decode
 from ._prefill import PREFILL_STEP, prefill
+from ._processors import Processor, Processors
 from ._replay import commit_may_be_refused
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, draw, generation_keys, round_key
@@ -33,7 +44,7 @@ from ._tree_round import TREE_MODES, tree_round
 
 def generate(
     target: Target,
-    prompts: Sequence[Sequence[int]],
+    prompts: Any,
     drafter: Drafter | TreeDrafter | None = None,
     *,
     k: int = 4,
@@ -45,17 +56,29 @@ def generate(
     tree: str | None = None,
     prefill_step_size: int = PREFILL_STEP,
     prompt_progress: Callable[[int, int], None] | None = None,
-) -> Iterator[list[Token]]:
+    states: Sequence[Any] | None = None,
+    history: Sequence[Sequence[int] | None] | None = None,
+    keep_states: bool = False,
+    logits_processors: Sequence[Processor] | None = None,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = QUANTIZED_KV_START,
+) -> Generation:
     """Generate up to `max_tokens` per prompt, yielding the tokens of each round.
 
-    `target`: a wrapped model; `prompts`: one list of ids per row (lengths may differ);
-    `drafter`: proposes up to `k` tokens per row each round (None: plain decoding, pipelined
-    like mlx-lm's `generate_step`: the next step runs while a round is yielded); a round
-    where it proposes nothing is a plain one-token step, not a verify of filler. `sampler`:
-    greedy by default; with a temperature, exact speculative sampling keeps every token
-    distributed as the target alone would sample it. A row stops at `max_tokens` or after an
-    `eos` token. With `adaptive`, the depth grows by one after a round whose drafts were all
-    accepted and shrinks by one after a round with none accepted (between 1 and `k`).
+    `target`: a wrapped model; `prompts`: token ids as mlx-lm takes them: one flat list or
+    a 1-d array (one prompt), or one list of ids per row, or a 2-d array (rows, ids); rows
+    may differ in length. `drafter`: proposes up to `k` tokens per row each round (None:
+    plain decoding, pipelined like mlx-lm's `generate_step`: the next step runs while a
+    round is yielded; `k` then means nothing); a round where it proposes nothing is a plain
+    one-token step, not a verify of filler. `sampler`: greedy by default; with a
+    temperature, exact speculative sampling keeps every token distributed as the target
+    alone would sample it. A row stops at `max_tokens` (0: nothing is generated; the
+    prompts are still prefilled, as mlx-lm's `generate_step` does, so `keep_states` gives
+    them as a prompt cache) or after an `eos` token. With `adaptive`, the depth grows by
+    one after a round whose drafts were all accepted and shrinks by one after a round with
+    none accepted (between 1 and `k`).
 
     `tree`: verify several candidate continuations per round, from the drafter's
     `propose_tree` (one prompt only): "tree" in one forward over one copy of the state with a
@@ -68,17 +91,90 @@ def generate(
     so no draft shares noise with a draw of the target, and sampling is exact for every seed
     and every drafter's own seed (which applies only to a drafter driven by hand).
 
+    Continuing (a chat, a prompt cache): `states[b]` (a batch-1 state, or None to start
+    fresh) is what row b continues: its prompt is the new tokens after it (at least one),
+    and the generation is the one of the whole sequence (what the state holds, then the
+    prompt). `history[b]`: the ids `states[b]` holds (None: not given); the drafter is
+    started on history + prompt (a `ModelDrafter` prefills its draft model over it, and
+    needs it for every row with a state; `NGramDrafter` looks up in it; an MTP head starts
+    on the new prompt only, as the target's hidden states over the history are not in a
+    state), and logits processors see it. `keep_states=True`: the returned generation's
+    `states` gives each row's final state (its prompt and every token it emitted, as
+    mlx-lm's prompt cache holds them): pass it as `states` with the next turn's prompt.
+
+    mlx-lm's decoding options: `logits_processors` (callables `(tokens, logits) ->
+    logits`, e.g. `mlx_lm.sample_utils.make_logits_processors(repetition_penalty=...)`),
+    applied before the sampler, with a drafter to every verified position (`_processors`);
+    not with `tree`. `max_kv_size`: rotating caches of that many positions for the rows
+    that start fresh (mlx-lm's `make_prompt_cache(model, max_kv_size)`: models with a cache
+    factory of their own keep it). `kv_bits` / `kv_group_size` / `quantized_kv_start`: the
+    target's dense KV layers quantized once its state holds `quantized_kv_start` positions
+    (`_kv_quantization`).
+
     Every argument is checked before anything runs (prompt ids against the target's
     vocabulary, a `TokenError`), and so is what the drafter returns each round (a
     `DrafterError` or `TokenError` naming what is wrong): on the host where it already is,
-    on the device with the round's one read where it is not.
+    on the device with the round's one read where it is not. (The checks run when the
+    generation is first iterated.)
 
     The prompts are prefilled as mlx-lm's `generate_step` does: `prefill_step_size`
     positions per forward, each evaluated as it is built, the output projection at each
     row's last position only (a drafter with its own model prefills it in chunks of the same
     size). `prompt_progress(processed, total)`: the target's prompt tokens through the model
     so far (all rows together), 0 first and `total` last.
+
+    Returns a `Generation`: iterate it for each round's tokens.
     """
+    finals = Finals(target) if keep_states is True else None
+    counts = Counts()
+    rounds = _rounds(
+        target,
+        prompts,
+        drafter,
+        k=k,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        eos=eos,
+        adaptive=adaptive,
+        seed=seed,
+        tree=tree,
+        prefill_step_size=prefill_step_size,
+        prompt_progress=prompt_progress,
+        finals=finals,
+        counts=counts,
+        options={
+            "states": states,
+            "history": history,
+            "keep_states": keep_states,
+            "logits_processors": logits_processors,
+            "max_kv_size": max_kv_size,
+            "kv_bits": kv_bits,
+            "kv_group_size": kv_group_size,
+            "quantized_kv_start": quantized_kv_start,
+        },
+    )
+    return Generation(rounds, finals, counts)
+
+
+def _rounds(
+    target: Target,
+    prompts: Any,
+    drafter: Drafter | TreeDrafter | None,
+    *,
+    k: int,
+    max_tokens: int,
+    sampler: Sampler | None,
+    eos: Sequence[int],
+    adaptive: bool,
+    seed: int,
+    tree: str | None,
+    prefill_step_size: int,
+    prompt_progress: Callable[[int, int], None] | None,
+    finals: Finals | None,
+    counts: Counts,
+    options: dict[str, Any],
+) -> Iterator[list[Token]]:
+    """`generate`'s rounds (its arguments as given, checked here)."""
     call = checked_call(target, prompts, drafter, k=k, max_tokens=max_tokens, sampler=sampler,
                         eos=eos, adaptive=adaptive, seed=seed, tree=tree)  # fmt: skip
     prompts, sampler, eos, abilities = call
@@ -87,32 +183,53 @@ def generate(
             "generate: prompt_progress must be a callable (processed, total) or None; got "
             f"{prompt_progress!r:.60}"
         )
+    extras = checked_extras(len(prompts), abilities.vocab_size, **options)
     hidden = uses_hidden(drafter)  # MTP heads also get the target's final hidden states
     if tree is not None:
         _check_tree_mode(tree, prompts, drafter, hidden)
+        if extras.processors is not None:
+            raise NotSupportedError(
+                "generate: logits_processors with tree verification: verify_tree and "
+                "verify_paths accept on the target's own logits; drop tree= (linear "
+                "drafting applies the processors to every verified position)"
+            )
+    if extras.states is not None and drafter is not None:
+        _check_drafter_history(drafter, hidden, extras)
     key, drafter_key = generation_keys(seed)  # never the same noise for target and drafter
     group = abilities.group  # a distributed model's ranks must decide alike; None: one process
-    if drafter is None:
-        yield from decode(
-            target,
-            prompts,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            eos=eos,
-            key=key,
-            group=group,
-            prefill_step_size=prefill_step_size,
-            prompt_progress=prompt_progress,
-        )
-        return
+    quantization = None if extras.kv is None else KVQuantization(*extras.kv)
+    if finals is not None:
+        finals.begin(len(prompts))
     logits, state, hiddens = prefill(
-        target, prompts, hidden, step=prefill_step_size, progress=prompt_progress
+        target,
+        prompts,
+        hidden and max_tokens > 0,
+        step=prefill_step_size,
+        progress=prompt_progress,
+        states=extras.states,
+        fresh=_fresh(target, extras.max_kv_size),
+        quantization=quantization,
     )
+    if max_tokens == 0:  # the prompts are in the state: nothing to emit
+        if finals is not None:
+            positions = list(range(len(prompts)))
+            finals.finish(state, positions, positions, [None] * len(prompts))
+        return
+    contexts = [h + p for h, p in zip(extras.history, prompts, strict=True)]
+    processors = None
+    if extras.processors is not None:
+        processors = Processors(extras.processors, contexts)
+        logits = processors.first(logits)
+    if drafter is None:
+        yield from decode(target, logits, state, max_tokens=max_tokens, sampler=sampler,
+                          eos=eos, key=key, group=group, processors=processors,
+                          quantization=quantization, finals=finals)  # fmt: skip
+        return
     vocab = abilities.vocab_size or logits.shape[-1]
     extra = start_keywords(drafter, drafter_key) | ({"hidden": hiddens} if hidden else {})
     if prefills(drafter):  # a drafter with its own model prefills in the target's chunks
         extra["prefill_step_size"] = prefill_step_size
-    drafter.start([list(p) for p in prompts], **extra)
+    drafter.start(prompts if hidden else contexts, **extra)
     # Fixed for the whole generation (filter keeps the kinds): whether rolling the target
     # back needs the verify's checkpoints (a verify of attention-only targets skips them),
     # and whether a commit can be refused (pooled windows: each verify then keeps the state
@@ -129,27 +246,36 @@ def generate(
         for i, (r, t) in enumerate(zip(live.rows, last, strict=True))
     ]
     done = finish(out, live.emitted, max_tokens, eos)
-    yield out
+    process = None if processors is None else processors.verify
     depth = k
     while True:
+        if finals is not None:
+            live.record(finals, done, out)
+            finals.hold(live.view(done))
+        yield out
+        if finals is not None:
+            finals.release()
         alive = [i for i, d in enumerate(done) if not d]
         if not alive:
             return
         if len(alive) < len(live.rows):
             live.keep(alive)
             drafter.keep_rows(alive)
+            if processors is not None:
+                processors.keep(alive)
         # Drafts past every row's budget would be verified only to be cut (mlx-lm too drafts
         # at most the tokens still wanted): near the end the rounds narrow.
-        budget = max(max_tokens - e for e in live.emitted) - 1
+        room = [max_tokens - e for e in live.emitted]
+        budget = max(room) - 1
         proposal = candidates = None
-        asked = min(depth, budget)
+        asked = min(depth, budget) if budget > 0 else 0
         if budget > 0 and tree is None:
             proposed = cast(Drafter, drafter).propose(live.last, asked, sampler)
             proposal = checked_proposal(proposed, len(live.last), asked, k, vocab)
         elif budget > 0:
             tree_drafter = cast(TreeDrafter, drafter)
             proposed_tree = tree_drafter.propose_tree(live.last[0], asked, sampler)
-            candidates = checked_tree(proposed_tree, asked, k)
+            candidates = pruned_at_ends(checked_tree(proposed_tree, asked, k), eos)
         key, sub = round_key(sampler, key)
         r: Round
         if candidates is not None and candidates.tokens:
@@ -158,11 +284,18 @@ def generate(
                 tree, target, live.take(), live.last[0], candidates, sampler, sub, vocab
             )
         elif proposal is None or max(proposal.counts) == 0:
-            live.state, r = plain_step(target, live.take(), live.last, sampler, sub, hidden)
-        else:
-            live.state, r = linear_round(
-                target, live.take(), live.last, proposal, sampler, sub, plan, vocab
+            live.state, r = plain_step(
+                target, live.take(), live.last, sampler, sub, hidden, process
             )
+        else:
+            live.state, r = linear_round(target, live.take(), live.last, proposal, sampler,
+                                         sub, plan, vocab, Stops(room, eos), process)  # fmt: skip
+        if quantization is not None:
+            live.state = quantization.after(live.state)
+        counts.drafted += len(candidates.tokens) if candidates is not None else _drafted(proposal)
+        counts.accepted += sum(r.accepted)
+        if processors is not None:
+            processors.commit(r.fed, r.kept)
         if group is not None:
             decided = [*live.rows, *r.accepted, *r.next_tokens]
             agree(decided, group, what="the rows, accepted counts and next tokens")
@@ -173,7 +306,64 @@ def generate(
         out = live.emit(r, max_tokens, eos)
         done = finish(out, live.emitted, max_tokens, eos, live.rows)
         live.last = r.next_tokens
-        yield out
+
+
+def _drafted(proposal: Any) -> int:
+    """The drafts a linear round verified (none for a plain step)."""
+    return 0 if proposal is None else sum(proposal.counts)
+
+
+def _fresh(target: Target, max_kv_size: int | None) -> Callable[[int], Any] | None:
+    """The empty states of rows that start fresh: the target's own (None), or with
+    `max_kv_size` its rotating caches of that size (a target whose `init_state` takes
+    `max_kv_size`: a wrapped model)."""
+    if max_kv_size is None:
+        return None
+    try:
+        takes = "max_kv_size" in inspect.signature(target.init_state).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise NotSupportedError(
+            f"generate: max_kv_size needs a target whose init_state takes max_kv_size (a "
+            f"wrapped model); a {type(target).__name__}'s does not"
+        )
+    return lambda rows: target.init_state(rows, max_kv_size=max_kv_size)  # type: ignore[call-arg]
+
+
+def _check_drafter_history(drafter: Any, hidden: bool, extras: Extras) -> None:
+    """A drafter with a model of its own (`prefills`, not an MTP head) continues rows with
+    states only from their history: its model must hold what the target's state holds."""
+    assert extras.states is not None
+    if hidden or not prefills(drafter):
+        return
+    missing = [
+        i for i, (s, h) in enumerate(zip(extras.states, extras.history, strict=True))
+        if s is not None and not h
+    ]  # fmt: skip
+    if missing:
+        raise StateError(
+            f"generate: states[{missing[0]}] is continued with a {type(drafter).__name__}, "
+            "whose draft model must see what the state holds: pass history=[the ids each "
+            "state holds, per prompt] (it prefills the draft model over history + prompt)"
+        )
+
+
+def pruned_at_ends(tree: DraftTree, eos: Sequence[int]) -> DraftTree:
+    """`tree` without the nodes below an end token (a row ends there: what follows would be
+    verified only to be cut, and the state must not hold it). Parents stay listed first."""
+    if not eos or not any(t in eos for t in tree.tokens):
+        return tree
+    kept: list[int] = []
+    new: dict[int, int] = {}
+    for i, p in enumerate(tree.parents):
+        if p == -1 or (p in new and tree.tokens[p] not in eos):
+            new[i] = len(kept)
+            kept.append(i)
+    return DraftTree(
+        [tree.tokens[i] for i in kept],
+        [-1 if tree.parents[i] == -1 else new[tree.parents[i]] for i in kept],
+    )
 
 
 class _Rows:
@@ -185,6 +375,28 @@ class _Rows:
         self.rows = list(range(len(last)))
         self.last = last
         self.emitted = [0] * len(last)
+
+    def record(self, finals: Finals, done: list[bool], out: list[Token]) -> None:
+        """The final states of the rows `done` ends, into `finals`: each holds its tokens,
+        its last one too (a next token, never in the state, runs through the target)."""
+        ended = [i for i, d in enumerate(done) if d]
+        if ended:
+            finals.finish(self.state, ended, [self.rows[i] for i in ended],
+                          self.pending(ended, out))  # fmt: skip
+
+    def pending(self, positions: list[int], out: list[Token]) -> list[int | None]:
+        """Per row at `positions`, its last emitted token when the state does not hold it
+        (the target's own next token), else None (an accepted draft: committed)."""
+        last = {t.row: t for t in out}
+        return [None if last[self.rows[i]].from_draft else last[self.rows[i]].token
+                for i in positions]  # fmt: skip
+
+    def view(self, done: list[bool]) -> Any:
+        """The rows still generating, for `Finals.hold`: read when called (no reference
+        to the state is held)."""
+        alive = [i for i, d in enumerate(done) if not d]
+        pending = [self.last[i] for i in alive]
+        return lambda: (self.state, alive, [self.rows[i] for i in alive], pending)
 
     def keep(self, alive: list[int]) -> None:
         """Only the rows at positions `alive` stay, in this order."""

@@ -4,18 +4,33 @@ Both return `(state, Round)`; the words are the package glossary's (`kvstate.spe
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
 from .. import CommitError, StateError, commit_prefix
 from ..kinds import host_ints
 from ._checks import Drafts, marked_message, refused
+from ._emit import kept_drafts
 from ._replay import run_kept
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, accept, greedy_picks, pick
 from ._target import Target
 from ._values import raise_marked
+
+Process = Callable[[mx.array, mx.array], mx.array]
+"""`process(logits (B, T, vocab), fed (B, T)) -> logits`: the logits processors over a
+forward's positions (`Processors.verify`)."""
+
+
+class Stops(NamedTuple):
+    """Where the rows of a round end: `room[b]` tokens row b may still emit, and the end
+    tokens. A row keeps no draft past either (`kept_drafts`), so the target's state never
+    holds a token the row did not emit."""
+
+    room: list[int]
+    eos: Sequence[int]
 
 
 def plain_step(
@@ -25,11 +40,14 @@ def plain_step(
     sampler: Sampler,
     key: mx.array | None,
     hidden: bool,
+    process: Process | None = None,
 ) -> tuple[Any, Round]:
     """One forward of each row's `last` token from `state` and the target's next token per
     row (drawn with `key`; None when greedy): a round with nothing drafted."""
     fed = mx.array(last, mx.int32)[:, None]
     logits, state, *seen = target(fed, state, **({"hidden": True} if hidden else {}))
+    if process is not None:
+        logits = process(logits, fed)
     nxt = host_ints(pick(sampler, logits[:, -1], key))
     rows = len(last)
     return state, Round(fed, logits, [0] * rows, nxt, [[] for _ in range(rows)], _one(seen), 0)
@@ -44,6 +62,8 @@ def linear_round(
     key: mx.array | None,
     plan: RoundPlan,
     vocab: int,
+    stops: Stops | None = None,
+    process: Process | None = None,
 ) -> tuple[Any, Round]:
     """Verify `proposal` (drafted[b] = `proposal.counts[b]` drafts after row b's `last`
     token, at least one row with some; checked by `_checks.checked_proposal`) from `state`
@@ -54,7 +74,11 @@ def linear_round(
 
     Pass `state` as the only reference to it (MLX then writes the verify's KV entries into
     its buffers instead of copying them); it is kept past the verify only when `plan` says
-    a commit can be refused, to re-run the kept tokens from."""
+    a commit can be refused, to re-run the kept tokens from.
+
+    `stops`: each row keeps no accepted draft past its room or its first end token (its
+    next token is then the draft after its kept ones, never emitted). `process`: the
+    logits processors, applied to the verify's logits before the acceptance rule."""
     drafted = proposal.counts
     span = max(drafted)
     drafts = proposal.tokens
@@ -65,6 +89,8 @@ def linear_round(
     else:
         logits, verified, *seen = target(fed, state, **extra)
         checkpoints = None
+    if process is not None:
+        logits = process(logits, fed)
     # Hold nothing of the pre-verify state while the verify runs (MLX then writes the KV
     # buffers in place instead of copying them), unless a commit can be refused.
     before = state if plan.keep_before else None
@@ -86,6 +112,8 @@ def linear_round(
             raise refused(e) from None
         accepted, nxt = verdict.accepted, verdict.next_tokens
         emitted_drafts = cast(list[list[int]], drafts.tolist())  # evaluated: no wait
+    if stops is not None:
+        accepted, nxt = _stopped(accepted, nxt, emitted_drafts, stops)
     kept = [a + 1 for a in accepted]
     try:
         state = commit_prefix(verified, kept, checkpoints)
@@ -98,6 +126,19 @@ def linear_round(
     # keeps them for a forward from it) and would share the committed buffers.
     del verified, checkpoints, before
     return state, Round(fed, logits, accepted, nxt, emitted_drafts, _one(seen), span)
+
+
+def _stopped(
+    accepted: list[int], nxt: list[int], drafts: list[list[int]], stops: Stops
+) -> tuple[list[int], list[int]]:
+    """`accepted` cut at each row's room and first end token (`kept_drafts`); a row cut
+    short gets its next kept-out draft as its next token (never emitted: it ended)."""
+    cut = [kept_drafts(d, a, r, stops.eos) for d, a, r in zip(drafts, accepted, stops.room,
+                                                               strict=True)]  # fmt: skip
+    if cut == accepted:
+        return accepted, nxt
+    return cut, [n if c == a else d[c] for n, c, a, d in zip(nxt, cut, accepted, drafts,
+                                                             strict=True)]  # fmt: skip
 
 
 def _one(seen: list[mx.array]) -> mx.array | None:

@@ -4,7 +4,7 @@ runs one step while the host reads, yields and builds the next."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -13,37 +13,48 @@ from .. import filter
 from ..distributed import agree
 from ..kinds import host_ints
 from ._emit import Token, logprobs_of
-from ._prefill import PREFILL_STEP, prefill
+from ._generation import Finals, View
+from ._kv_quantization import KVQuantization
+from ._processors import Processors
 from ._sampling import Sampler, draw
 from ._target import Target
 
 
 def decode(
     target: Target,
-    prompts: Sequence[Sequence[int]],
+    first: mx.array,
+    state: Any,
     *,
     max_tokens: int,
     sampler: Sampler,
     eos: Sequence[int],
     key: mx.array,
     group: Any,
-    prefill_step_size: int = PREFILL_STEP,
-    prompt_progress: Callable[[int, int], None] | None = None,
+    processors: Processors | None = None,
+    quantization: KVQuantization | None = None,
+    finals: Finals | None = None,
 ) -> Iterator[list[Token]]:
-    """`generate` without a drafter: one token per live row each round, the same tokens (and
-    the same draws of `key`) as one synchronous step a round would give."""
-    logits, state, _ = prefill(target, prompts, step=prefill_step_size, progress=prompt_progress)
-    key, y = draw(sampler, logits, key)
-    logprobs = logprobs_of(logits)
+    """`generate` without a drafter, after the prefill (`first`: its last logits (B, vocab),
+    processed; `state`: the batched state): one token per live row each round, the same
+    tokens (and the same draws of `key`) as one synchronous step a round would give.
+    `max_tokens` >= 1. `processors` / `quantization`: applied after every step's forward;
+    `finals`: each row's final state is recorded there as it ends."""
+    key, y = draw(sampler, first, key)
+    logprobs = logprobs_of(first)
     mx.async_eval(y, logprobs)
-    rows = list(range(len(prompts)))
+    rows = list(range(first.shape[0]))
     emitted = 0  # tokens so far, the same for every live row
     while True:
         more = emitted + 1 < max_tokens
         if more:  # the next step, from this step's unread tokens
             logits, state = target(y[:, None], state)
-            key, y_next = draw(sampler, logits[:, -1], key)
-            logprobs_next = logprobs_of(logits[:, -1])
+            if quantization is not None:
+                state = quantization.after(state)
+            last = logits[:, -1]
+            if processors is not None:
+                last = processors.step(last, y)
+            key, y_next = draw(sampler, last, key)
+            logprobs_next = logprobs_of(last)
             mx.async_eval(y_next, logprobs_next)
         tokens = host_ints(y)
         if group is not None:
@@ -53,12 +64,35 @@ def decode(
             for i, (r, t) in enumerate(zip(rows, tokens, strict=True))
         ]
         emitted += 1
+        if finals is not None:  # the state holds this step's tokens once the next is built
+            finals.hold(_fixed(state, rows, _pending(tokens, more)))
         yield out
+        if finals is not None:
+            finals.release()  # before the next forward: it writes the KV buffers in place
         alive = [i for i, t in enumerate(tokens) if t not in eos]
         if not more or not alive:
+            if finals is not None:
+                finals.finish(state, list(range(len(rows))), rows, _pending(tokens, more))
             return
         if len(alive) < len(rows):
+            if finals is not None:
+                ended = [i for i in range(len(rows)) if i not in alive]
+                finals.finish(state, ended, [rows[i] for i in ended], [None] * len(ended))
             keep = mx.array(alive)
             state, y_next, logprobs_next = filter(state, alive), y_next[keep], logprobs_next[keep]
             rows = [rows[i] for i in alive]
+            if processors is not None:
+                processors.keep(alive)
         y, logprobs = y_next, logprobs_next
+
+
+def _fixed(state: Any, rows: list[int], pending: list[int | None]) -> View:
+    """The view of every row of `state` (see `Finals.hold`)."""
+    positions = list(range(len(rows)))
+    return lambda: (state, positions, rows, pending)
+
+
+def _pending(tokens: list[int], more: bool) -> list[int | None]:
+    """The tokens the state does not hold yet: this step's, unless the next step (which
+    feeds them) was built."""
+    return [None if more else t for t in tokens]

@@ -56,24 +56,30 @@ def _number(x: Any) -> bool:
 
 @attrs.frozen
 class Sampler:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 leave the distribution whole.
-    Applied identically to the target's and the drafter's logits: the temperature divides
-    the logits, top_k keeps the k largest (ties at the k-th kept too), top_p the smallest set
-    of most likely tokens whose mass reaches top_p (the token that crosses it included)."""
+    """temperature 0 is greedy; top_k 0, top_p 1.0 and min_p 0.0 leave the distribution
+    whole. Applied identically to the target's and the drafter's logits: min_p drops the
+    tokens less likely than min_p times the most likely one (under the logits as they are,
+    before the temperature: mlx-lm's `make_sampler(min_p=...)`; the most likely token always
+    stays), the temperature divides the logits, top_k keeps the k largest (ties at the k-th
+    kept too), top_p the smallest set of most likely tokens whose mass reaches top_p (the
+    token that crosses it included)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         bad = []
-        t, p, k = self.temperature, self.top_p, self.top_k
+        t, p, k, m = self.temperature, self.top_p, self.top_k, self.min_p
         if not (_number(t) and math.isfinite(t) and t >= 0):
             bad.append(f"temperature={t!r} (must be a finite number >= 0)")
         if not (_number(p) and 0 < p <= 1):
             bad.append(f"top_p={p!r} (must be a number in (0, 1])")
         if not (is_integer(k) and k >= 0):
             bad.append(f"top_k={k!r} (must be an int >= 0)")
+        if not (_number(m) and 0 <= m <= 1):
+            bad.append(f"min_p={m!r} (must be a number in [0, 1])")
         if bad:
             raise StateError(f"Sampler: {', '.join(bad)}")
 
@@ -93,6 +99,10 @@ class Sampler:
             return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(
                 mx.float32
             )
+        if self.min_p > 0:
+            # p_i < min_p * p_max, as log-probabilities: l_i - max(l) < log(min_p).
+            floor = logits.max(-1, keepdims=True) + math.log(self.min_p)
+            logits = mx.where(logits < floor, -mx.inf, logits)
         logits = logits / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = mx.sort(logits, axis=-1)[..., -self.top_k][..., None]

@@ -36,7 +36,9 @@ class Target(Protocol):
         ...
 
     def init_state(self, batch_size: int = 1) -> Any:
-        """An empty state for `batch_size` rows."""
+        """An empty state for `batch_size` rows. (`generate(max_kv_size=n)` calls
+        `init_state(batch, max_kv_size=n)`, which a wrapped model takes: rotating caches of
+        n positions, as mlx-lm's `make_prompt_cache(model, max_kv_size)`.)"""
         ...
 
     def __call__(

@@ -1,0 +1,28 @@
+"""Text on top of kvstate's generator: mlx-lm's streaming detokenizers for any tokenizer, a
+`stream_generate`-shaped `stream_text`, and a `Chat` that continues one state turn after turn.
+
+    from kvstate.adapters import wrap
+    from kvstate.speculative import NGramDrafter
+    from kvstate.text import Chat, stream_text
+
+    for r in stream_text(wrap(model), tokenizer, "Hello", NGramDrafter(), max_tokens=64):
+        print(r.text, end="", flush=True)
+
+Above the speculative package (it imports transformers and mlx-lm's tokenizer utilities;
+nothing in kvstate imports it).
+"""
+
+from ._chat import Chat
+from ._stream import Prompt, Response, TextStream, prompt_ids, stream_text
+from ._tokenizer import detokenizer_class, text_tokenizer
+
+__all__ = [
+    "Chat",
+    "Prompt",
+    "Response",
+    "TextStream",
+    "detokenizer_class",
+    "prompt_ids",
+    "stream_text",
+    "text_tokenizer",
+]
