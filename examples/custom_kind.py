@@ -218,8 +218,8 @@ class HistoryModel(nn.Module):
 
 
 class Counted:
-    """A wrapped model that counts its plain forwards and prefills (a draft model's proposals
-    run as `chain`; a plain call after the prompts is a re-run of kept tokens)."""
+    """A wrapped model that counts its plain forwards (a draft model's proposals run as
+    `chain`; a plain call after the prompts is a re-run of kept tokens)."""
 
     def __init__(self, m: Any) -> None:
         self.m, self.calls = m, 0
@@ -230,10 +230,6 @@ class Counted:
     def __call__(self, tokens: Any, state: Any, **kwargs: Any) -> Any:
         self.calls += 1
         return self.m(tokens, state, **kwargs)
-
-    def prefill(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.m.prefill(*args, **kwargs)
 
 
 def through_a_wrapped_model() -> None:
