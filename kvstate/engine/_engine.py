@@ -41,6 +41,7 @@ from .. import (
     batch_size,
     capabilities,
     extract,
+    nbytes,
 )
 from ..kinds import config_mismatches, config_of
 from ..speculative import Target, generation_keys, round_plan
@@ -191,6 +192,7 @@ class Engine:
         c, cache = self._counters, self._cache
         return {
             "running": len(self._batch),
+            "running_bytes": 0 if self._batch.state is None else nbytes(self._batch.state),
             "prefilling": len(self._prefilling),
             "queued": len(self._queue),
             "tokens_per_s": c.tokens_per_s(),
@@ -213,6 +215,16 @@ class Engine:
             "prefix_max_bytes": cache.max_bytes if cache else 0,
             "prefix_evictions": cache.evictions if cache else 0,
         }
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """The requests of the running batch, in row order (none finished)."""
+        return tuple(r.request for r in self._batch.rows)
+
+    @property
+    def prefilling(self) -> tuple[Request, ...]:
+        """The requests being prefilled, oldest first."""
+        return tuple(p.request for p in self._prefilling)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -247,21 +259,24 @@ class Engine:
         free = self.max_batch - len(self._batch) - len(self._prefilling)
         for request in self._queue.admit(free):
             self._counters.prompt_tokens += len(request.prompt)
-            hit = None
-            if self._cache is not None:
-                hit = self._cache.lookup(request.prompt, len(request.prompt) - 1)
-            state, done = hit if hit is not None else (self._empty(), 0)
-            request.cached_tokens = done
             self._prefilling.append(
                 Prefilling(
                     request,
-                    state,
-                    done,
                     block=self.prefill_chunk,
                     exact=self._cache is not None and not self._cache.cuts,
                     hidden=self._plan.hidden,
                 )
             )
+
+    def _begin(self, p: Prefilling) -> None:
+        """Start a prompt's prefill from the longest prefix the cache holds (looked up when
+        its first chunk is due, so it finds what the prompts admitted with it kept)."""
+        hit = None
+        if self._cache is not None:
+            hit = self._cache.lookup(p.tokens, len(p.tokens) - 1)
+        state, done = hit if hit is not None else (self._empty(), 0)
+        p.request.cached_tokens = done
+        p.begin(state, done)
 
     def _prefill(self, out: _Outputs) -> list[tuple[Row, Any, mx.array, Prefilling]]:
         """Prefill up to `prefill_chunk` positions (oldest prompt first); the prompts done,
@@ -271,6 +286,8 @@ class Engine:
         for p in list(self._prefilling):
             if budget <= 0:
                 break
+            if not p.begun:
+                self._begin(p)
             ran = p.advance(self.target, budget)
             budget -= ran
             self._counters.prefilled_tokens += ran

@@ -44,8 +44,14 @@ def empty_state(
                 f"{kv_bits!r}"
             )
         bits = float(kv_bits)
+        if not bits.is_integer():
+            raise NotSupportedError(
+                f"Engine: kv_bits={kv_bits} with kv_scheme='turboquant' is the Split layout "
+                "(x.5 bits), whose high channels are chosen from each prompt's data: rows of "
+                "different prompts cannot be batched together; use integer bits"
+            )
         made = _turboquant(target.init_state(1), bits)
-        _probe(target, made, kv_scheme)
+        _probe(target, made, kv_scheme, {"bits": bits})
         return lambda: _turboquant(target.init_state(1), bits)
     if isinstance(kv_bits, Mapping):
         options = dict(kv_bits)
@@ -57,11 +63,12 @@ def empty_state(
             f"got {kv_bits!r}"
         )
     try:
-        quantize(target.init_state(1), **options)
+        made = quantize(target.init_state(1), **options)
     except TypeError as e:
         raise StateError(f"Engine: kv_bits {options}: {e}") from None
     except ConfigMismatchError as e:
         raise ConfigMismatchError(f"Engine: kv_bits {options}: {e}") from None
+    _probe(target, made, kv_scheme, options)
     return lambda: quantize(target.init_state(1), **options)
 
 
@@ -74,16 +81,22 @@ def _turboquant(state: Any, bits: float) -> Any:
     return state
 
 
-def _probe(target: Target, state: ModelState, scheme: str) -> None:
-    """One forward of one token on `state`: refuses a model whose attention cannot read it."""
+def _probe(target: Target, state: ModelState, scheme: str, options: dict[str, Any]) -> None:
+    """One forward of one token on `state`: refuses a model whose attention cannot run on
+    it (mlx-lm's quantized attention wants head dims a multiple of the group size; its
+    models cannot read TurboQuant caches)."""
     try:
         logits, _ = target(mx.array([[0]], mx.int32), state)
         mx.eval(logits)
     except StateError:
         raise
     except Exception as e:  # the model's own attention code, not kvstate's
+        hint = (
+            "mlx-lm's models read TurboQuant caches through mlx-vlm (kvstate.adapters.vlm.wrap)"
+            if scheme == "turboquant"
+            else "choose a group size that divides the model's head dims"
+        )
         raise NotSupportedError(
-            f"Engine: kv_scheme={scheme!r}: this model's attention cannot run on such states "
-            f"({type(e).__name__}: {e}); mlx-lm's models read TurboQuant caches through "
-            "mlx-vlm (kvstate.adapters.vlm.wrap)"
+            f"Engine: kv_scheme={scheme!r}, kv_bits {options}: this model's attention cannot "
+            f"run on such states ({type(e).__name__}: {str(e)[:200]}); {hint}"
         ) from None

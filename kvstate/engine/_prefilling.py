@@ -22,9 +22,11 @@ from ._params import Request
 
 
 class Prefilling:
-    """Request `request`'s prompt from position `done` (the tokens the prefix cache served)
-    with `state` (batch 1, over those tokens). `advance` runs chunks; once `complete`,
-    `logits` (1, vocab) are the last position's and `state` holds the whole prompt.
+    """Request `request`'s prompt, from position `done` (the tokens the prefix cache served)
+    with `state` (batch 1, over those tokens) once `begin` gave them (its first chunk is
+    due: the cache then serves what the prompts before it kept). `advance` runs chunks;
+    once `complete`, `logits` (1, vocab) are the last position's and `state` holds the
+    whole prompt.
 
     `snapshots` collects (n, state over the first n tokens) worth keeping in the prefix
     cache as they are passed: block boundaries and the last-but-one position (`exact`: the
@@ -32,26 +34,22 @@ class Prefilling:
     to any prefix serves them all). With `hidden` the target's final hidden states over the
     prompt are collected (an MTP drafter's input)."""
 
-    def __init__(
-        self,
-        request: Request,
-        state: Any,
-        done: int,
-        *,
-        block: int,
-        exact: bool,
-        hidden: bool,
-    ) -> None:
+    def __init__(self, request: Request, *, block: int, exact: bool, hidden: bool) -> None:
         self.request = request
         self.tokens = request.prompt
-        self.state: Any = state
-        self.done = done
+        self.state: Any = None
+        self.done = 0
+        self.begun = False
         self.block = block
         self.exact = exact
         self.hidden = hidden
         self.hiddens: list[mx.array] = []
         self.logits: mx.array | None = None
         self.snapshots: list[tuple[int, Any]] = []
+
+    def begin(self, state: Any, done: int) -> None:
+        """Start from `state` over the prompt's first `done` tokens."""
+        self.state, self.done, self.begun = state, done, True
 
     @property
     def complete(self) -> bool:
