@@ -4,8 +4,8 @@ round), without a drafter, with the n-gram drafter and with a draft model.
 
 As in tests/test_sampling_exact.py: a tiny llama of vocabulary 32; the oracle is analytic,
 p1 (after the prompt) and p2(.|x) (after the prompt and x) from one batched forward, under
-each request's sampler. Each sampled request emits 2 tokens (t1 from the prefill, t2 from
-a round: a verified draft or the target's own draw); every request has its own seed, and
+each request's sampler. Each sampled request emits 3 tokens (t1 from the prefill, t2 from
+a round: a verified draft or the target's own draw; t3 leaves room for that draft); every request has its own seed, and
 the requests arrive a few at a time, so rows join batches of every composition. Checked at
 ALPHA = 1e-4 per statistic: Pearson's chi-square of t1 against p1 and of t2 given t1
 against p2 (cells below 5 pooled), and the exact binomial test of #(t2 == t1), which a
@@ -31,8 +31,8 @@ ALPHA = 1e-4
 VOCAB = 32
 PROMPT = (5, 9, 13, 17, 9, 13)  # repeats: the n-gram drafter has something to propose
 SAMPLERS = {
-    "t=1": RequestParams(max_tokens=2, temperature=1.0),
-    "t=0.7 top_k=6 top_p=0.95": RequestParams(max_tokens=2, temperature=0.7, top_k=6, top_p=0.95),
+    "t=1": RequestParams(max_tokens=3, temperature=1.0),
+    "t=0.7 top_k=6 top_p=0.95": RequestParams(max_tokens=3, temperature=0.7, top_k=6, top_p=0.95),
 }
 COUNTS = {"t=1": 1200, "t=0.7 top_k=6 top_p=0.95": 600}
 GREEDY = [(1, 2, 3), (30, 1), (7, 7, 7, 7)]
@@ -84,7 +84,7 @@ def serve(model: Any, drafter: Any) -> tuple[dict[str, list[Request]], dict[str,
                 request = engine.submit(
                     PROMPT,
                     RequestParams(
-                        max_tokens=2, temperature=params.temperature, top_k=params.top_k,
+                        max_tokens=3, temperature=params.temperature, top_k=params.top_k,
                         top_p=params.top_p, seed=seed,
                     ),
                 )  # fmt: skip
@@ -121,10 +121,11 @@ def test_sampled_requests_follow_the_targets_distribution(model, drafter):
             for r in requests:
                 assert r.tokens == greedy_truth(model, r.prompt, 6)
             continue
-        assert all(len(r.tokens) == 2 for r in requests)
+        assert all(len(r.tokens) == 3 for r in requests)
         p1, p2 = analytic(model, SAMPLERS[name].sampler)
         check([(r.tokens[0], r.tokens[1]) for r in requests], p1, p2)
     assert len(served["greedy"]) > 20
     if drafter != "none":  # the second tokens were verified drafts (often accepted)
-        assert stats["drafted"] > 0.3 * sum(COUNTS.values())
+        least = 0.15 if drafter == "ngram" else 0.8  # n-gram: when t1 is in the prompt
+        assert stats["drafted"] > least * sum(COUNTS.values())
         assert stats["accepted"] > (0.5 if drafter == "draft model" else 0.02) * stats["drafted"]

@@ -51,7 +51,9 @@ def run_round(
     asked = min(depth, budget)
     samplers = [r.request.params.sampler for r in rows]
     sampler, key = _round_sampler(batch, samplers)
-    drafter = drafting.drafter if drafting is not None and asked > 0 else None
+    drafter = None
+    if drafting is not None and asked > 0:
+        drafter = batch.gate.gated(drafting.drafter, [row.remaining for row in rows])
     batch.state, r = batch_round(
         target, batch.take(), [row.last for row in rows], drafter, asked, sampler, key, plan,
         k=k, vocab=vocab,
@@ -59,8 +61,9 @@ def run_round(
     if drafting is not None and budget > 0:  # budget 0: every row ends with this round
         drafting.accept(r.fed, r.kept, r.hidden)
     counters.rounds += 1
+    counters.drafted += sum(batch.gate.counts)  # the drafts verified (after the gate's cuts)
+    batch.gate.update(r.accepted)
     if r.span:
-        counters.drafted += r.span * len(rows)
         counters.accepted += sum(r.accepted)
         if adaptive:
             depth = _adapted(depth, k, r.accepted, r.span)
