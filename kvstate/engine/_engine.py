@@ -340,7 +340,8 @@ class Engine:
             if e.reason is None:
                 alive.append(b)
             elif self._cache is not None:  # a turn end: prompt and output, as the state holds
-                self._cache.insert(tuple(row.history), extract(self._batch.state, b))
+                turn = extract(self._batch.state, b)
+                self._cache.insert(tuple(row.history), turn, cuttable=False)
         if len(alive) < len(self._batch):
             self._leave(alive)
 

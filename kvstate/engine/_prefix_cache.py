@@ -6,10 +6,13 @@ that, whatever runs from it later, so a new prompt that starts with those n toke
 start from it and prefill only the rest. Which prefixes a kept state serves depends on its
 kinds:
 
-- cut (every layer a dense KV cache: `Capabilities.joinable_forwards`): its entries for
-  positions 0..n-1 are what a prefill of any shorter prefix leaves, so a kept state serves
-  every prompt that shares its first m <= n tokens, cut to m with one `commit_prefix`
-  (the state stamped as one forward of its n tokens, as a draft model's rollback does);
+- cut (every layer a dense KV cache: `Capabilities.joinable_forwards`): a prefill's
+  entries for positions 0..n-1 are what a prefill of any shorter prefix leaves, so a state
+  kept at a prompt's end serves every prompt that shares its first m <= n tokens, cut to m
+  with one `commit_prefix` (the state stamped as one forward of its n tokens, as a draft
+  model's rollback does). Not a turn end's: a ragged commit moves a row's oldest tokens
+  into the slots its rejected drafts left (keys carry their RoPE, so attention does not
+  mind), so its buffer is no longer in position order and only the whole state serves;
 - exact (windows, recurrent and hybrid states, quantized ones): a recurrent state after n
   tokens cannot be taken back to m < n, so a kept state serves exactly its n tokens; the
   engine keeps them where they are free: at fixed block boundaries inside a prompt (its
@@ -38,10 +41,10 @@ _VERSION = 1
 
 
 class _Entry:
-    __slots__ = ("nbytes", "state", "tokens")
+    __slots__ = ("cuttable", "nbytes", "state", "tokens")
 
-    def __init__(self, tokens: np.ndarray, state: Any, size: int) -> None:
-        self.tokens, self.state, self.nbytes = tokens, state, size
+    def __init__(self, tokens: np.ndarray, state: Any, size: int, cuttable: bool) -> None:
+        self.tokens, self.state, self.nbytes, self.cuttable = tokens, state, size, cuttable
 
 
 class PrefixCache:
@@ -50,7 +53,8 @@ class PrefixCache:
     entry can be cut from it (attention-only states) or only its whole length serves.
 
     `lookup(prompt, limit)` -> (state, n) for the longest prefix of at most `limit` tokens
-    it holds, or None; `insert(tokens, state)` keeps a batch-1 state over `tokens`.
+    it serves, or None; `insert(tokens, state, cuttable=)` keeps a batch-1 state over
+    `tokens`.
     Counters: hits, misses, hit_tokens (prompt tokens served), evictions."""
 
     def __init__(self, max_bytes: int, *, cuts: bool) -> None:
@@ -76,10 +80,14 @@ class PrefixCache:
             ids = np.asarray(prompt[:limit], np.int64)
             for key, entry in self._entries.items():  # oldest first: ties go to the newest
                 common = _common(ids, entry.tokens)
-                served = min(common, limit) if self.cuts else len(key)
-                if served >= 1 and (self.cuts or common == len(key)):
-                    if best is None or served >= best[0]:
-                        best = (served, key)
+                if entry.cuttable:
+                    served = common
+                elif common == len(key):
+                    served = common
+                else:
+                    continue
+                if served >= 1 and (best is None or served >= best[0]):
+                    best = (served, key)
         if best is None:
             self.misses += 1
             return None
@@ -92,13 +100,15 @@ class PrefixCache:
             return entry.state, served
         return cut(entry.state, len(key), served), served
 
-    def insert(self, tokens: tuple[int, ...], state: Any) -> bool:
+    def insert(self, tokens: tuple[int, ...], state: Any, *, cuttable: bool = True) -> bool:
         """Keep `state`, a batch-1 state over exactly `tokens`, evicting the least recently
         used entries past the byte bound; False when it is not kept (larger than the bound,
-        or, with cuts, covered by a longer entry). With cuts an entry it covers (a prefix of
-        `tokens`) is dropped."""
+        or served already by a longer entry that can be cut). `cuttable`: whether a prefix
+        of it can be cut from it (with `cuts`: a prefill's state, not a turn end's); one
+        that can drops the entries it serves (prefixes of `tokens`)."""
         if not tokens:
             return False
+        cuttable = cuttable and self.cuts
         if tokens in self._entries:
             self._entries.move_to_end(tokens)
             return True
@@ -108,13 +118,14 @@ class PrefixCache:
         if self.cuts:
             ids = np.asarray(tokens, np.int64)
             for key in list(self._entries):
-                common = _common(ids, self._entries[key].tokens)
-                if common == len(tokens):  # a longer entry (or this one) serves it already
+                entry = self._entries[key]
+                common = _common(ids, entry.tokens)
+                if common == len(tokens) and entry.cuttable:  # a longer entry serves it
                     self._entries.move_to_end(key)
                     return False
-                if common == len(key):
+                if common == len(key) and cuttable:
                     self._drop(key)
-        self._entries[tokens] = _Entry(np.asarray(tokens, np.int64), state, size)
+        self._entries[tokens] = _Entry(np.asarray(tokens, np.int64), state, size, cuttable)
         self.nbytes += size
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
@@ -135,7 +146,11 @@ class PrefixCache:
         """Write every entry to one file (`kvstate.save`: safetensors, atomic), least
         recently used first, with their tokens in its metadata."""
         entries = list(self._entries.items())
-        meta = {"version": _VERSION, "cuts": self.cuts, "tokens": [list(k) for k, _ in entries]}
+        meta = {
+            "version": _VERSION,
+            "tokens": [list(k) for k, _ in entries],
+            "cuttable": [e.cuttable for _, e in entries],
+        }
         save(path, [e.state for _, e in entries], {_META_KEY: json.dumps(meta)})
 
     def load(self, path: str | os.PathLike[str], check: Callable[[Any], None]) -> int:
@@ -155,8 +170,13 @@ class PrefixCache:
                 f"load_prefix_cache: {os.fspath(path)!r} is prefix cache version "
                 f"{meta.get('version')!r}; this kvstate reads version {_VERSION}"
             )
-        tokens = meta.get("tokens")
-        if not isinstance(states, (list, tuple)) or not isinstance(tokens, list):
+        tokens, cuttable = meta.get("tokens"), meta.get("cuttable")
+        if not (
+            isinstance(states, (list, tuple))
+            and isinstance(tokens, list)
+            and isinstance(cuttable, list)
+            and len(cuttable) == len(tokens)
+        ):
             raise FileFormatError(f"load_prefix_cache: {os.fspath(path)!r} is malformed")
         if len(tokens) != len(states):
             raise FileFormatError(
@@ -164,14 +184,14 @@ class PrefixCache:
                 f"{len(tokens)} token lists"
             )
         kept = 0
-        for ids, state in zip(tokens, states, strict=True):
+        for ids, state, whole in zip(tokens, states, cuttable, strict=True):
             if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
                 raise FileFormatError(
                     f"load_prefix_cache: {os.fspath(path)!r} holds token lists that are not "
                     "lists of ints"
                 )
             check(state)
-            kept += self.insert(tuple(ids), state)
+            kept += self.insert(tuple(ids), state, cuttable=bool(whole))
         return kept
 
 
