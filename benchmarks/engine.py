@@ -27,7 +27,6 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from _harness import Contender, environment, fmt_ratio, interleave, table
 from mlx_lm.generate import BatchGenerator
@@ -106,7 +105,9 @@ def text_schedule(c: int, tokenizer: Any, seed: int, code: bool) -> Schedule:
     return sorted(out, key=lambda x: x[0])
 
 
-def run_engine(target: Any, plan: Schedule, c: int, drafter: Any = None) -> tuple[list[list[int]], dict]:
+def run_engine(
+    target: Any, plan: Schedule, c: int, drafter: Any = None
+) -> tuple[list[list[int]], dict]:
     engine = Engine(target, drafter() if callable(drafter) else drafter, max_batch=c)
     requests, i, step = [], 0, 0
     while i < len(plan) or engine.has_work():
@@ -186,8 +187,8 @@ def main() -> None:
             theirs = run_mlx_lm(model, plan, c)
             agree = agreement(ours, theirs)
             runs = {
-                "engine": lambda p=plan, c=c: run_engine(target, p, c),
-                "mlx-lm": lambda p=plan, c=c: run_mlx_lm(model, p, c),
+                "engine": lambda p=plan, c=c, t=target: run_engine(t, p, c),
+                "mlx-lm": lambda p=plan, c=c, m=model: run_mlx_lm(m, p, c),
             }
             rates, samples = figures(plan, runs, args.reps)
             rows.append([
@@ -220,8 +221,8 @@ def main() -> None:
                 plain, _ = run_engine(target, plan, c)
                 drafted, stats = run_engine(target, plan, c, "ngram")
                 runs = {
-                    "ngram": lambda p=plan, c=c: run_engine(target, p, c, "ngram"),
-                    "plain": lambda p=plan, c=c: run_engine(target, p, c),
+                    "ngram": lambda p=plan, c=c, t=target: run_engine(t, p, c, "ngram"),
+                    "plain": lambda p=plan, c=c, t=target: run_engine(t, p, c),
                 }
                 rates, samples = figures(plan, runs, args.reps)
                 rows.append([

@@ -200,7 +200,7 @@ def test_a_long_prompt_stalls_running_rows_by_one_chunk_per_step(llama):
 
 
 def test_stop_ids_and_logprobs(llama):
-    model, target, oracle = llama
+    _, target, oracle = llama
     prompt = (5, 9, 13, 17)
     truth = oracle(prompt)
     engine = Engine(target, NGramDrafter())
@@ -213,7 +213,9 @@ def test_stop_ids_and_logprobs(llama):
     assert scored.finish_reason == "length" and plain.logprobs is None
     logits, _ = target(mx.array([[*prompt, *truth[:4]]]), target.init_state())
     logits = logits[0, len(prompt) - 1 :].astype(mx.float32)
-    want = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[mx.arange(5), mx.array(truth[:5])]
+    want = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[
+        mx.arange(5), mx.array(truth[:5])
+    ]
     np.testing.assert_allclose(scored.logprobs, np.array(want), atol=1e-4)
 
 
@@ -292,7 +294,7 @@ def test_the_prefix_cache_stays_within_its_bound(llama):
     # Least recently used first out: what stays is the last prompts'.
     cache = engine.prefix_cache
     assert cache is not None
-    firsts = {k[0] for k in cache.keys()}
+    firsts = {k[0] for k in cache.prefixes()}
     assert {4, 5} <= firsts and not firsts & {0, 1, 2}
 
 
@@ -379,7 +381,7 @@ def test_turboquant_states_through_an_mlx_vlm_language_model():
             logits, state = target(mx.array([[out[-1]]]), state)
         return out
 
-    with pytest.raises(ks.NotSupportedError, match="x.5"):
+    with pytest.raises(ks.NotSupportedError, match=r"x\.5"):
         Engine(target, kv_bits=3.5, kv_scheme="turboquant")
     engine = Engine(target, NGramDrafter(), kv_bits=3, kv_scheme="turboquant")
     requests = [engine.submit(p, RequestParams(max_tokens=6)) for p in prompts]

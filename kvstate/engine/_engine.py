@@ -43,7 +43,7 @@ from .. import (
     extract,
     nbytes,
 )
-from ..kinds import config_mismatches, config_of
+from ..kinds import config_mismatches, config_of, host_ints
 from ..speculative import Target, generation_keys, round_plan
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
@@ -310,10 +310,10 @@ class Engine:
         key, _ = generation_keys(seed)
         sampler = params.sampler
         if sampler.greedy:
-            token = int(logits.argmax(-1).item())
+            token = host_ints(logits.argmax(-1))[0]
         else:
             key, sub = mx.random.split(key)
-            token = int(sampler.sample(sampler.probs(logits), sub).item())
+            token = host_ints(sampler.sample(sampler.probs(logits), sub))[0]
         tokens, reason = cut([token], params.max_tokens, params.stop_ids)
         logprobs = chosen_logprobs(logits[:, None], {0: tokens})[0] if params.logprobs else None
         out.emit(request, tokens, logprobs, reason)

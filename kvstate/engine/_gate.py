@@ -73,4 +73,6 @@ class _Gated:
         if len(counts) != len(last) or not all(isinstance(c, int) for c in counts):
             return proposal
         # The verify's span follows: the round cuts the tokens to max(counts).
-        return Proposal(proposal.tokens, self.gate.cut(list(counts), self.remaining), proposal.probs)
+        return Proposal(
+            proposal.tokens, self.gate.cut(list(counts), self.remaining), proposal.probs
+        )

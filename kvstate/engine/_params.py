@@ -84,8 +84,7 @@ class RequestParams:
             raise refusal(
                 TokenError,
                 "stop_ids",
-                f"RequestParams: stop_ids holds {wrong[:8]!r} (each must be an int token id "
-                ">= 0)",
+                f"RequestParams: stop_ids holds {wrong[:8]!r} (each must be an int token id >= 0)",
             )
         # Normalised to plain ints in a tuple (frozen: through object.__setattr__, once).
         object.__setattr__(self, "stop_ids", tuple(int(s) for s in stops))

@@ -67,7 +67,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self) -> list[tuple[int, ...]]:
+    def prefixes(self) -> list[tuple[int, ...]]:
         """The token prefixes held, least recently used first."""
         return list(self._entries)
 
@@ -80,14 +80,10 @@ class PrefixCache:
             ids = np.asarray(prompt[:limit], np.int64)
             for key, entry in self._entries.items():  # oldest first: ties go to the newest
                 common = _common(ids, entry.tokens)
-                if entry.cuttable:
-                    served = common
-                elif common == len(key):
-                    served = common
-                else:
-                    continue
-                if served >= 1 and (best is None or served >= best[0]):
-                    best = (served, key)
+                if not (entry.cuttable or common == len(key)):
+                    continue  # a whole entry serves only prompts that start with all of it
+                if common >= 1 and (best is None or common >= best[0]):
+                    best = (common, key)
         if best is None:
             self.misses += 1
             return None

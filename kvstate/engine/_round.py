@@ -5,7 +5,7 @@ commit), and what each row emits: its accepted drafts and next token, cut at its
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import mlx.core as mx
 
@@ -101,9 +101,7 @@ def _emitted(rows: list[Row], r: Round) -> list[Emitted]:
     logprobs: dict[int, list[float]] = {}
     if wanted:
         logprobs = chosen_logprobs(r.logits, {b: cuts[b] for b in wanted})
-    return [
-        Emitted(cuts[b], logprobs.get(b), reasons[b]) for b in range(len(rows))
-    ]
+    return [Emitted(cuts[b], logprobs.get(b), reasons[b]) for b in range(len(rows))]
 
 
 def cut(tokens: list[int], remaining: int, stops: tuple[int, ...]) -> tuple[list[int], str | None]:
@@ -126,7 +124,7 @@ def chosen_logprobs(logits: mx.array, tokens: dict[int, list[int]]) -> dict[int,
     ids = mx.array([t + [0] * (width - len(t)) for t in tokens.values()], mx.int32)
     picked = logits[mx.array(rows), :width].astype(mx.float32)
     scores = mx.take_along_axis(picked, ids[..., None], axis=-1)[..., 0]
-    values = (scores - mx.logsumexp(picked, axis=-1)).tolist()
+    values = cast(list[list[float]], (scores - mx.logsumexp(picked, axis=-1)).tolist())
     return {b: values[i][: len(tokens[b])] for i, b in enumerate(rows)}
 
 

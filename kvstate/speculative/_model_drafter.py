@@ -139,9 +139,7 @@ class ModelDrafter:
         self._rows = len(prompts)
         self._trims = rolls_back_by_trim(self.state)
 
-    def add_rows(
-        self, prompts: list[list[int]], *, prefill_step_size: int = PREFILL_STEP
-    ) -> None:
+    def add_rows(self, prompts: list[list[int]], *, prefill_step_size: int = PREFILL_STEP) -> None:
         """New rows after the current ones, whose `prompts` the target prefilled (a batch
         that admits rows between rounds): the draft model prefills them (chunks of
         `prefill_step_size`) and their states join the draft state (`extend`). Between

@@ -45,8 +45,7 @@ class RowSampler(Sampler):
         rows = tuple(samplers)
         if not rows or not all(type(s) is Sampler for s in rows):
             raise StateError(
-                "RowSampler.of: give one kvstate.speculative.Sampler per row; got "
-                f"{rows!r:.80}"
+                f"RowSampler.of: give one kvstate.speculative.Sampler per row; got {rows!r:.80}"
             )
         return cls(temperature=max(s.temperature for s in rows), rows=rows)
 
@@ -67,8 +66,8 @@ class RowSampler(Sampler):
         vocab = logits.shape[-1]
         per_row = (len(self.rows),) + (1,) * (logits.ndim - 1)
 
-        def column(values: list[float] | list[int], dtype: mx.Dtype) -> mx.array:
-            return mx.array(values, dtype).reshape(per_row)
+        def column(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
+            return mx.array(list(values), dtype).reshape(per_row)
 
         temperatures = [s.temperature for s in self.rows]
         greedy = column([t == 0 for t in temperatures], mx.bool_)
