@@ -59,6 +59,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 
 from . import _values as values
+from ._batch_round import batch_round, round_plan
 from ._checks import checked_step_prompt
 from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
@@ -67,7 +68,10 @@ from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
-from ._sampling import Sampler, Verdict, accept
+from ._round import Round, RoundPlan
+from ._row_keys import row_keys, split_row_keys
+from ._row_sampler import RowSampler
+from ._sampling import Sampler, Verdict, accept, generation_keys
 from ._target import ChainTarget, PrefillTarget, Target, TreeTarget
 from ._tree_verify import TreeVerdict, verify_tree
 from ._trees import tree_of_paths
@@ -86,6 +90,9 @@ __all__ = [
     "PathVerdict",
     "PrefillTarget",
     "Proposal",
+    "Round",
+    "RoundPlan",
+    "RowSampler",
     "Sampler",
     "Target",
     "Token",
@@ -94,8 +101,13 @@ __all__ = [
     "TreeVerdict",
     "Verdict",
     "accept",
+    "batch_round",
     "generate",
+    "generation_keys",
+    "round_plan",
+    "row_keys",
     "speculative_generate_step",
+    "split_row_keys",
     "tree_of_paths",
     "verify_paths",
     "verify_tree",

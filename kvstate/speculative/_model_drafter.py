@@ -14,6 +14,7 @@ from .. import (
     TokenError,
     capabilities,
     commit_prefix,
+    extend,
     filter,
     row_select,
     tile,
@@ -137,6 +138,30 @@ class ModelDrafter:
         self.pending, self._proposal = None, None
         self._rows = len(prompts)
         self._trims = rolls_back_by_trim(self.state)
+
+    def add_rows(self, prompts: list[list[int]], *, prefill_step_size: int = PREFILL_STEP) -> None:
+        """New rows after the current ones, whose `prompts` the target prefilled (a batch
+        that admits rows between rounds): the draft model prefills them (chunks of
+        `prefill_step_size`) and their states join the draft state (`extend`). Between
+        rounds only (after `accept`); `start` when none were started."""
+        where = "ModelDrafter.add_rows"
+        if self._rows is None:
+            self.start(prompts, prefill_step_size=prefill_step_size)
+            return
+        if self._proposal is not None:
+            raise StateError(
+                f"{where}: the last proposal was never accepted; add rows between rounds "
+                "(after accept)"
+            )
+        prompts = checked_prompts(prompts, self._vocab, where)
+        _, added, _ = prefill(self.draft, prompts, step=prefill_step_size)
+        if self.pending is not None:
+            # The kept final draft every row owes its state: fed now, so the new rows (which
+            # owe none) line up with them.
+            self.state = self.draft(self.pending, self.state)[1]
+            self.pending = None
+        self.state = extend(self.state, added)
+        self._rows += len(prompts)
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         last = self._checked_call("ModelDrafter.propose", last, k, sampler)

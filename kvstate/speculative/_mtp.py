@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .. import StateError, commit_prefix, filter, merge
+from .. import StateError, commit_prefix, extend, filter, merge
 from .. import eval as eval_state
 from ..kinds import as_int
 from . import _values as values
@@ -92,33 +92,48 @@ class MTPDrafter:
         drawing from its own seed). The head runs over each prompt in chunks of
         `prefill_step_size` positions, each chunk's state evaluated as it is built (its logits
         are never used, so never computed)."""
-        prompts = checked_prompts(prompts, None, "MTPDrafter.start")
-        if not (isinstance(hidden, (list, tuple)) and len(hidden) == len(prompts)):
-            got = f"{len(hidden)} of them" if isinstance(hidden, (list, tuple)) else repr(hidden)
-            raise StateError(
-                "MTPDrafter.start: needs the target's hidden states per prompt (hidden=[(1, L, "
-                f"D) per prompt], {len(prompts)} of them); got {got:.60}"
-            )
-        bad = [
-            i
-            for i, (p, h) in enumerate(zip(prompts, hidden, strict=True))
-            if not (isinstance(h, mx.array) and h.ndim == 3 and h.shape[:2] == (1, len(p)))
-        ]
-        if bad:
-            shapes = [
-                tuple(hidden[i].shape) if isinstance(hidden[i], mx.array) else None for i in bad
-            ]
-            raise StateError(
-                f"MTPDrafter.start: hidden[{bad[0]}] must be (1, L, D) over its prompt of L "
-                f"tokens; got {shapes[:4]} for prompts {bad[:4]}"
-            )
+        where = "MTPDrafter.start"
+        prompts = checked_prompts(prompts, None, where)
+        _check_hidden(prompts, hidden, where)
         if key is not None:
-            self.key = values.prng_key(key, "MTPDrafter.start: key")
-        step = as_int(prefill_step_size, "MTPDrafter.start: prefill_step_size", StateError)
-        if step < 1:
+            self.key = values.prng_key(key, f"{where}: key")
+        self.state, self.pending = self._prefilled(prompts, hidden, prefill_step_size, where)
+        self._first_step = None
+
+    def add_rows(
+        self,
+        prompts: list[list[int]],
+        hidden: list[mx.array] | None = None,
+        *,
+        prefill_step_size: int = PREFILL_STEP,
+    ) -> None:
+        """New rows after the current ones, whose `prompts` the target prefilled, with the
+        target's hidden states over each (1, L, D) (a batch that admits rows between
+        rounds): the head runs over them as in `start` and their states join (`extend`).
+        Between rounds only (after `accept`); `start` when none were started."""
+        where = "MTPDrafter.add_rows"
+        if self.pending is None:
+            self.start(prompts, hidden, prefill_step_size=prefill_step_size)
+            return
+        if self._first_step is not None:
             raise StateError(
-                f"MTPDrafter.start: prefill_step_size must be an int >= 1; got {step!r}"
+                f"{where}: the last proposal was never accepted; add rows between rounds "
+                "(after accept)"
             )
+        prompts = checked_prompts(prompts, None, where)
+        state, pending = self._prefilled(prompts, hidden, prefill_step_size, where)
+        self.state = extend(self.state, state)
+        self.pending = mx.concatenate([self.pending, pending], axis=0)
+
+    def _prefilled(
+        self, prompts: list[list[int]], hidden: Any, prefill_step_size: Any, where: str
+    ) -> tuple[Any, mx.array]:
+        """The head's state over `prompts` (one row each) from the target's `hidden`
+        states over them, and each row's pending hidden state (B, 1, D)."""
+        _check_hidden(prompts, hidden, where)
+        step = as_int(prefill_step_size, f"{where}: prefill_step_size", StateError)
+        if step < 1:
+            raise StateError(f"{where}: prefill_step_size must be an int >= 1; got {step!r}")
         states, pending = [], []
         for prompt, h in zip(prompts, hidden, strict=True):
             before = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
@@ -128,9 +143,8 @@ class MTPDrafter:
                 eval_state(state)
             states.append(state)
             pending.append(h[:, -1:])
-        self.state = states[0] if len(states) == 1 else merge(states)
-        self.pending = mx.concatenate(pending, axis=0)
-        self._first_step = None
+        merged = states[0] if len(states) == 1 else merge(states)
+        return merged, mx.concatenate(pending, axis=0)
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         if self.pending is None:
@@ -195,3 +209,24 @@ class MTPDrafter:
         self.state = filter(self.state, rows)
         if self.pending is not None:
             self.pending = self.pending[mx.array(rows)]
+
+
+def _check_hidden(prompts: list[list[int]], hidden: Any, where: str) -> None:
+    """`hidden`: the target's hidden states over each prompt, (1, L, D) per prompt."""
+    if not (isinstance(hidden, (list, tuple)) and len(hidden) == len(prompts)):
+        got = f"{len(hidden)} of them" if isinstance(hidden, (list, tuple)) else repr(hidden)
+        raise StateError(
+            f"{where}: needs the target's hidden states per prompt (hidden=[(1, L, D) per "
+            f"prompt], {len(prompts)} of them); got {got:.60}"
+        )
+    bad = [
+        i
+        for i, (p, h) in enumerate(zip(prompts, hidden, strict=True))
+        if not (isinstance(h, mx.array) and h.ndim == 3 and h.shape[:2] == (1, len(p)))
+    ]
+    if bad:
+        shapes = [tuple(hidden[i].shape) if isinstance(hidden[i], mx.array) else None for i in bad]
+        raise StateError(
+            f"{where}: hidden[{bad[0]}] must be (1, L, D) over its prompt of L tokens; got "
+            f"{shapes[:4]} for prompts {bad[:4]}"
+        )

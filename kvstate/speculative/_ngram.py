@@ -62,6 +62,18 @@ class NGramDrafter:
             self.index.append({})
             self._extend(len(self.history) - 1, list(prompt))
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """New rows after the current ones, whose `prompts` the target prefilled (a batch
+        that admits rows between rounds; `start` when none were started)."""
+        if not self._started:
+            self.start(prompts)
+            return
+        prompts = checked_prompts(prompts, None, "NGramDrafter.add_rows")
+        for prompt in prompts:
+            self.history.append([])
+            self.index.append({})
+            self._extend(len(self.history) - 1, list(prompt))
+
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         last = self._checked("NGramDrafter.propose", last, k)
         drafts, counts = [], []

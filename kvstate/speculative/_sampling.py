@@ -20,7 +20,9 @@ tree, paths, MTP heads, n-gram drafts, ragged batches). A drafter's own `seed=` 
 when it is started without a key (driven by hand): inside `generate` neither it nor any choice
 of the generator's seed can make a draft reuse the noise of the token it is checked against.
 The same `generate(..., seed=s)` call gives the same tokens; greedy output does not depend on
-the seed at all.
+the seed at all. A draw may also take row keys, (B, 2), one key per row (`_row_keys`): a
+serving engine's rows are requests with seeds of their own, and row b's noise is then a
+function of its key alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ShapeError, StateError, TokenError
+from ._row_keys import categorical, checked_key, split_pair, uniform
 from ._values import (
     DRAFT_ID,
     DRAFT_PROBS,
@@ -43,7 +46,6 @@ from ._values import (
     DrafterError,
     counts_of,
     is_integer,
-    prng_key,
     raise_marked,
 )
 
@@ -122,7 +124,8 @@ class Sampler:
     def sample(self, probs: mx.array, key: mx.array | None = None) -> mx.array:
         """One token per distribution of `probs` (..., vocab) (argmax when greedy). `probs`
         must be distributions: they are not read back to check it (the acceptance rule
-        checks a drafter's)."""
+        checks a drafter's). `key`: one `mx.random.key`, or row keys (B, 2), one per row of
+        `probs` (B, ..., vocab): row b then draws with its own key (`_row_keys`)."""
         if not isinstance(probs, mx.array):
             raise StateError(
                 f"Sampler.sample: probs must be an mx.array (..., vocab); got {type(probs).__name__}"
@@ -130,8 +133,8 @@ class Sampler:
         if self.greedy:
             return probs.argmax(-1).astype(mx.int32)
         if key is not None:
-            prng_key(key, "Sampler.sample: key")
-        return mx.random.categorical(mx.log(probs), key=key).astype(mx.int32)
+            checked_key(key, "Sampler.sample: key", probs.shape[0] if probs.ndim > 1 else None)
+        return categorical(mx.log(probs), key).astype(mx.int32)
 
 
 def generation_keys(seed: int) -> tuple[mx.array, mx.array]:
@@ -183,8 +186,8 @@ def accept(
 
     target: (B, span+1, V) the target's sampling distributions after its last token and
     after each of the span drafts; drafts: (B, span) int; draft_probs: (B, span, V') or None
-    (point masses); counts: drafted[b], the drafts that count in row b (<= span). One host
-    sync for the whole batch.
+    (point masses); counts: drafted[b], the drafts that count in row b (<= span); key: one
+    `mx.random.key` or row keys (B, 2). One host sync for the whole batch.
 
     Draft ids that `draft_probs` covers but the target's vocabulary lacks (a draft model
     with a padded vocabulary, V' > V) have target probability 0: they are rejected, and the
@@ -218,7 +221,7 @@ def accept_columns(
     vocab = target.shape[-1]
     width = vocab if draft_probs is None else draft_probs.shape[-1]
     counted = mx.arange(span)[None] < mx.array(counts)[:, None]
-    keys = mx.random.split(key, 2) if key is not None else (None, None)
+    keys = split_pair(key) if key is not None else (None, None)
     # Ids are compared in their own dtype (an int64 id past int32 must not wrap into range)
     # and gathered only once clamped: MLX's gathers do not check bounds.
     invalid = (drafts < 0) | (drafts >= width)
@@ -234,7 +237,7 @@ def accept_columns(
         q_ids = mx.where(invalid, 0, drafts).astype(mx.int32)
         q_draft = mx.take_along_axis(draft_probs, q_ids[..., None], axis=-1)[..., 0]
         marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
-    u = mx.random.uniform(shape=p_draft.shape, key=keys[0])
+    u = uniform(p_draft.shape, keys[0])
     ok = (u * q_draft < p_draft) & counted  # u < p / q, without dividing by a zero q
     accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
     rejected = accepted < mx.array(counts)
@@ -364,7 +367,7 @@ def _checked_args(
         if not mx.issubdtype(draft_probs.dtype, mx.floating):
             raise DrafterError(f"accept: draft_probs must be floats; got dtype {draft_probs.dtype}")
     if key is not None:
-        prng_key(key, "accept: key")
+        checked_key(key, "accept: key", rows)
     return counts_of(counts, "accept: counts", rows, span)
 
 

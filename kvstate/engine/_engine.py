@@ -1,0 +1,438 @@
+"""The engine: requests in, tokens out, one round at a time over a batch that changes
+between rounds.
+
+Each `step()`:
+
+1. frees the rows of cancelled requests (`filter`; queued and prefilling ones are dropped);
+2. admits queued requests, first come first served, while the running and prefilling
+   requests are fewer than `max_batch`; each starts from the longest prefix the prefix
+   cache holds of its prompt;
+3. prefills at most `prefill_chunk` prompt positions in all (oldest prompt first, chunks
+   ending at block boundaries), so the running rows wait at most one chunk's forward per
+   step; a prompt whose last position ran draws its first token;
+4. runs one round for every running row: a plain step, or with a drafter a verify of every
+   row's drafts and a ragged commit of each row's accepted prefix; rows emit up to their
+   own `max_tokens` and first stop id;
+5. retires the rows that finished (`filter`, in the same step: the batch never holds a
+   finished row), keeping each one's state in the prefix cache as a turn end;
+6. joins the prompts prefilled in 3 to the batch (`extend`: ragged lengths, left padding)
+   and to the drafter (`add_rows`).
+
+The stall a long prompt causes the running rows is bounded by one forward of
+`prefill_chunk` positions per step (with a draft model, the draft model also prefills the
+whole prompt at the join: a small model's forward over it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .. import (
+    ConfigMismatchError,
+    NotSupportedError,
+    ShapeError,
+    StateError,
+    batch_size,
+    capabilities,
+    extract,
+    nbytes,
+)
+from ..kinds import config_mismatches, config_of, host_ints
+from ..speculative import Target, generation_keys, round_plan
+from ._drafting import Drafting, resolve
+from ._kv import empty_state
+from ._params import Output, Request, RequestParams, checked_params, checked_prompt
+from ._prefilling import Prefilling
+from ._prefix_cache import PrefixCache
+from ._queue import WaitQueue
+from ._round import chosen_logprobs, cut, run_round
+from ._rows import Batch, Row
+from ._stats import Counters
+
+
+def _positive(x: Any, name: str, low: int = 1) -> int:
+    if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < low:
+        raise StateError(f"Engine: {name} must be an int >= {low}; got {x!r}")
+    return int(x)
+
+
+class Engine:
+    """A continuous-batching engine over a wrapped `target` and an optional `drafter`.
+
+    `drafter`: None (plain decoding), "ngram" (`NGramDrafter()`), a drafter
+    (`NGramDrafter`, `ModelDrafter(wrap(draft_model))`, `MTPDrafter(head)`: anything with
+    `add_rows`) or a factory of one. `max_batch`: rows running or prefilling at most (the
+    rest wait in the queue). `prefill_chunk`: prompt positions prefilled per step (the stall
+    bound), also the block size of the prefix cache's boundaries. `prefix_cache_bytes`: the
+    prefix cache's bound (`kvstate.nbytes` of its states; 0: no cache). `kv_bits`,
+    `kv_group_size`, `kv_scheme`: quantized attention states (see `_kv.empty_state`). `k`:
+    the most drafts per round (`adaptive`: the depth moves between 1 and k as in
+    `generate`). `seed`: the engine's randomness (the drafter's keys and the seeds of
+    requests that give none). `max_prompt_tokens`: the longest prompt taken (default: the
+    model's `max_position_embeddings` when it has one, else unbounded).
+
+    Exact: a greedy request's tokens are the target's argmax continuation of its prompt, a
+    sampled one's are distributed as the target alone samples them (each request draws with
+    its own key, split from its seed), whatever else runs in the batch, whatever the prefix
+    cache served. Not thread-safe: drive it from one thread.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Any = None,
+        *,
+        max_batch: int = 32,
+        prefill_chunk: int = 512,
+        prefix_cache_bytes: int = 0,
+        kv_bits: Any = None,
+        k: int = 4,
+        seed: int = 0,
+        kv_group_size: int = 64,
+        kv_scheme: str = "uniform",
+        adaptive: bool = True,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        if not (callable(target) and callable(getattr(target, "init_state", None))):
+            raise StateError(
+                f"Engine: target must be a wrapped model (kvstate.adapters.wrap(model)); got "
+                f"{type(target).__name__}"
+            )
+        self.target = target
+        self.max_batch = _positive(max_batch, "max_batch")
+        self.prefill_chunk = _positive(prefill_chunk, "prefill_chunk")
+        self.k = _positive(k, "k")
+        _positive(prefix_cache_bytes, "prefix_cache_bytes", 0)
+        _positive(kv_group_size, "kv_group_size")
+        if not isinstance(adaptive, bool):
+            raise StateError(f"Engine: adaptive must be a bool; got {adaptive!r}")
+        if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**64):
+            raise StateError(f"Engine: seed must be an int in 0..2**64-1; got {seed!r}")
+        self.adaptive = adaptive
+        self.vocab_size: int = int(target.vocab_size)
+        self.max_prompt_tokens = (
+            _model_limit(target) if max_prompt_tokens is None
+            else _positive(max_prompt_tokens, "max_prompt_tokens")
+        )  # fmt: skip
+        self._empty = empty_state(target, kv_bits, kv_group_size, kv_scheme)
+        made = resolve(drafter)
+        _, drafter_key = generation_keys(int(seed))
+        self._drafting = None if made is None else Drafting(made, self.prefill_chunk, drafter_key)
+        if self._drafting is not None and self._drafting.hidden and prefix_cache_bytes:
+            raise NotSupportedError(
+                "Engine: an MTP drafter takes the target's hidden states over the whole "
+                "prompt, which a prefix-cache hit does not prefill; use prefix_cache_bytes=0 "
+                "with it"
+            )
+        empty = self._empty()
+        self._plan = round_plan(empty, made)
+        self._cache = (
+            PrefixCache(prefix_cache_bytes, cuts=capabilities(empty).joinable_forwards)
+            if prefix_cache_bytes
+            else None
+        )
+        self._seeds = np.random.default_rng(int(seed))
+        self._queue = WaitQueue()
+        self._prefilling: list[Prefilling] = []
+        self._batch = Batch()
+        self._depth = self.k
+        self._next_id = 0
+        self._counters = Counters()
+        self._reference: Any = None  # a one-token state: what loaded cache states must match
+
+    # -- the interface ----------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: RequestParams | None = None) -> Request:
+        """Queue a request (checked first: a `StateError` / `TokenError` whose `field`
+        attribute names what is wrong, and nothing queued)."""
+        ids = checked_prompt(prompt, self.vocab_size, self.max_prompt_tokens)
+        checked = checked_params(params, self.vocab_size)
+        request = Request(self._next_id, ids, checked)
+        self._next_id += 1
+        self._queue.push(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop `request` (idempotent; nothing for a finished one): its row, its state and
+        its bytes are freed at the next step, whose outputs say it finished "cancelled"."""
+        if not isinstance(request, Request):
+            raise StateError(f"cancel: expected a Request; got {type(request).__name__}")
+        if not request.finished:
+            request.cancel_requested = True
+
+    def has_work(self) -> bool:
+        """Whether anything is queued, prefilling or running."""
+        return bool(len(self._queue) or self._prefilling or len(self._batch))
+
+    def step(self) -> list[Output]:
+        """One round (see the module docstring): the outputs of every request that emitted
+        tokens or finished."""
+        started = time.perf_counter()
+        out = _Outputs()
+        self._free_cancelled(out)
+        self._admit()
+        ready = self._prefill(out)
+        if len(self._batch):
+            self._decode(out)
+        if ready:
+            self._join(ready)
+        self._counters.step(started, out.tokens)
+        return out.outputs()
+
+    def stats(self) -> dict[str, Any]:
+        """What a user would watch: rows running / prefilling, requests queued, tokens/s
+        (over the last seconds), totals, draft acceptance, and the prefix cache's hits,
+        misses, tokens served, entries and bytes."""
+        c, cache = self._counters, self._cache
+        return {
+            "running": len(self._batch),
+            "running_bytes": 0 if self._batch.state is None else nbytes(self._batch.state),
+            "prefilling": len(self._prefilling),
+            "queued": len(self._queue),
+            "tokens_per_s": c.tokens_per_s(),
+            "generated_tokens": c.generated_tokens,
+            "prompt_tokens": c.prompt_tokens,
+            "prefilled_tokens": c.prefilled_tokens,
+            "finished": c.finished,
+            "cancelled": c.cancelled,
+            "steps": c.steps,
+            "rounds": c.rounds,
+            "busy_s": c.busy_s,
+            "drafted": c.drafted,
+            "accepted": c.accepted,
+            "acceptance": c.accepted / c.drafted if c.drafted else 0.0,
+            "prefix_hits": cache.hits if cache else 0,
+            "prefix_misses": cache.misses if cache else 0,
+            "prefix_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_entries": len(cache) if cache else 0,
+            "prefix_bytes": cache.nbytes if cache else 0,
+            "prefix_max_bytes": cache.max_bytes if cache else 0,
+            "prefix_evictions": cache.evictions if cache else 0,
+        }
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """The requests of the running batch, in row order (none finished)."""
+        return tuple(r.request for r in self._batch.rows)
+
+    @property
+    def prefilling(self) -> tuple[Request, ...]:
+        """The requests being prefilled, oldest first."""
+        return tuple(p.request for p in self._prefilling)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (None without one)."""
+        return self._cache
+
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> None:
+        """Write the prefix cache to one file (`kvstate.save`)."""
+        self._cache_or_raise("save_prefix_cache").save(path)
+
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Add the entries of a file `save_prefix_cache` wrote (each state checked to fit this
+        engine's model and states first); the number kept within the byte bound."""
+        return self._cache_or_raise("load_prefix_cache").load(path, self._check_cached)
+
+    # -- a step's phases --------------------------------------------------------------------
+
+    def _free_cancelled(self, out: _Outputs) -> None:
+        gone = self._queue.drop_cancelled()
+        gone += [p.request for p in self._prefilling if p.request.cancel_requested]
+        self._prefilling = [p for p in self._prefilling if not p.request.cancel_requested]
+        rows = self._batch.rows
+        if any(r.request.cancel_requested for r in rows):
+            alive = [i for i, r in enumerate(rows) if not r.request.cancel_requested]
+            gone += [r.request for r in rows if r.request.cancel_requested]
+            self._leave(alive)
+        for request in gone:
+            self._counters.cancelled += 1
+            out.emit(request, [], None, "cancelled")
+
+    def _admit(self) -> None:
+        free = self.max_batch - len(self._batch) - len(self._prefilling)
+        for request in self._queue.admit(free):
+            self._counters.prompt_tokens += len(request.prompt)
+            self._prefilling.append(
+                Prefilling(
+                    request,
+                    block=self.prefill_chunk,
+                    exact=self._cache is not None and not self._cache.cuts,
+                    hidden=self._plan.hidden,
+                )
+            )
+
+    def _begin(self, p: Prefilling) -> None:
+        """Start a prompt's prefill from the longest prefix the cache holds (looked up when
+        its first chunk is due, so it finds what the prompts admitted with it kept)."""
+        hit = None
+        if self._cache is not None:
+            hit = self._cache.lookup(p.tokens, len(p.tokens) - 1)
+        state, done = hit if hit is not None else (self._empty(), 0)
+        p.request.cached_tokens = done
+        p.begin(state, done)
+
+    def _prefill(self, out: _Outputs) -> list[tuple[Row, Any, mx.array, Prefilling]]:
+        """Prefill up to `prefill_chunk` positions (oldest prompt first); the prompts done,
+        with their first token drawn, as rows ready to join."""
+        budget = self.prefill_chunk
+        ready = []
+        for p in list(self._prefilling):
+            if budget <= 0:
+                break
+            if not p.begun:
+                self._begin(p)
+            ran = p.advance(self.target, budget)
+            budget -= ran
+            self._counters.prefilled_tokens += ran
+            self._keep_snapshots(p)
+            if not p.complete:
+                continue
+            self._prefilling.remove(p)
+            row, key, reason = self._first_token(p, out)
+            if reason is None:
+                ready.append((row, p.state, key, p))
+        return ready
+
+    def _first_token(self, p: Prefilling, out: _Outputs) -> tuple[Row, mx.array, str | None]:
+        """Draw a prefilled request's first token with its own key; its row, its key after
+        the draw, and why it finished at once (None: it goes on)."""
+        request, logits = p.request, p.logits
+        assert logits is not None
+        params = request.params
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        key, _ = generation_keys(seed)
+        sampler = params.sampler
+        if sampler.greedy:
+            token = host_ints(logits.argmax(-1))[0]
+        else:
+            key, sub = mx.random.split(key)
+            token = host_ints(sampler.sample(sampler.probs(logits), sub))[0]
+        tokens, reason = cut([token], params.max_tokens, params.stop_ids)
+        logprobs = chosen_logprobs(logits[:, None], {0: tokens})[0] if params.logprobs else None
+        out.emit(request, tokens, logprobs, reason)
+        self._finished(request, reason)
+        return Row(request, token, list(request.prompt)), key, reason
+
+    def _decode(self, out: _Outputs) -> None:
+        """One round for every running row; the finished ones leave."""
+        emitted, self._depth = run_round(
+            self.target,
+            self._batch,
+            self._drafting,
+            self._depth,
+            k=self.k,
+            plan=self._plan,
+            vocab=self.vocab_size,
+            adaptive=self.adaptive,
+            counters=self._counters,
+        )
+        alive = []
+        for b, (row, e) in enumerate(zip(self._batch.rows, emitted, strict=True)):
+            out.emit(row.request, e.tokens, e.logprobs, e.reason)
+            self._finished(row.request, e.reason)
+            if e.reason is None:
+                alive.append(b)
+            elif self._cache is not None:  # a turn end: prompt and output, as the state holds
+                turn = extract(self._batch.state, b)
+                self._cache.insert(tuple(row.history), turn, cuttable=False)
+        if len(alive) < len(self._batch):
+            self._leave(alive)
+
+    def _join(self, ready: list[tuple[Row, Any, mx.array, Prefilling]]) -> None:
+        self._batch.join([r for r, *_ in ready], [s for _, s, *_ in ready],
+                         [k for _, _, k, _ in ready])  # fmt: skip
+        if self._drafting is not None:
+            prompts = [list(p.tokens) for *_, p in ready]
+            hidden = [p.hidden_states() for *_, p in ready] if self._drafting.hidden else []
+            self._drafting.join(prompts, hidden)
+
+    def _leave(self, alive: list[int]) -> None:
+        self._batch.keep(alive)
+        if self._drafting is not None:
+            self._drafting.keep(alive)
+
+    def _finished(self, request: Request, reason: str | None) -> None:
+        if reason is not None:
+            self._counters.finished += 1
+
+    def _keep_snapshots(self, p: Prefilling) -> None:
+        if self._cache is not None:
+            for n, state in p.snapshots:
+                self._cache.insert(p.tokens[:n], state)
+        p.snapshots.clear()
+
+    # -- the prefix cache's files -----------------------------------------------------------
+
+    def _cache_or_raise(self, where: str) -> PrefixCache:
+        if self._cache is None:
+            raise StateError(f"{where}: this engine has no prefix cache (prefix_cache_bytes=0)")
+        return self._cache
+
+    def _check_cached(self, state: Any) -> None:
+        """Refuse a loaded state that is not one row of this engine's states."""
+        if batch_size(state) != 1:
+            raise ShapeError(
+                f"load_prefix_cache: a cached state must be one row; got {batch_size(state)}"
+            )
+        check_fits = getattr(self.target, "check_fits", None)
+        if check_fits is not None:
+            check_fits(state)
+        if self._reference is None:
+            _, self._reference = self.target(mx.array([[0]], mx.int32), self._empty())
+        found = config_mismatches(config_of(self._reference), config_of(state))
+        if config_of(self._reference) != config_of(state) and found:
+            raise ConfigMismatchError(
+                f"load_prefix_cache: a cached state does not match this engine's states "
+                f"({'; '.join(found)}): it was saved by an engine of another model or kv_bits"
+            )
+
+
+class _Outputs:
+    """A step's outputs, one per request, in the order they first emitted."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Output] = {}
+        self.tokens = 0
+
+    def emit(
+        self, request: Request, tokens: list[int], logprobs: list[float] | None, reason: str | None
+    ) -> None:
+        """Record `request`'s new tokens and finish on the request and in the outputs."""
+        now = time.perf_counter()
+        if tokens and request.first_token_at is None:
+            request.first_token_at = now
+        request.tokens += tokens
+        if request.logprobs is not None and logprobs is not None:
+            request.logprobs += logprobs
+        if reason is not None:
+            request.finished, request.finish_reason, request.finished_at = True, reason, now
+        self.tokens += len(tokens)
+        before = self._by_id.get(request.id)
+        if before is not None:
+            tokens = [*before.tokens, *tokens]
+            if before.logprobs is not None:
+                logprobs = [*before.logprobs, *(logprobs or [])]
+        self._by_id[request.id] = Output(
+            request,
+            tuple(tokens),
+            None if logprobs is None else tuple(logprobs),
+            request.finished,
+            request.finish_reason,
+        )
+
+    def outputs(self) -> list[Output]:
+        return list(self._by_id.values())
+
+
+def _model_limit(target: Any) -> int | None:
+    """The model's `max_position_embeddings` (a wrapped mlx-lm model's args), else None."""
+    args = getattr(getattr(target, "model", None), "args", None)
+    limit = getattr(args, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None

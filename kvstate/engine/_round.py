@@ -1,0 +1,138 @@
+"""One round for every running row: the sampler and keys of this round's rows, the round
+itself (`kvstate.speculative.batch_round`: a plain step, or propose / verify / accept /
+commit), and what each row emits: its accepted drafts and next token, cut at its own
+`max_tokens` and first stop id, with their log-probabilities when asked for."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, cast
+
+import mlx.core as mx
+
+from ..speculative import (
+    Round,
+    RoundPlan,
+    RowSampler,
+    Sampler,
+    Target,
+    batch_round,
+    split_row_keys,
+)
+from ._drafting import Drafting
+from ._rows import Batch, Row
+from ._stats import Counters
+
+
+class Emitted(NamedTuple):
+    """What one row emitted this round, and why it finished (None: it goes on)."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    reason: str | None
+
+
+def run_round(
+    target: Target,
+    batch: Batch,
+    drafting: Drafting | None,
+    depth: int,
+    *,
+    k: int,
+    plan: RoundPlan,
+    vocab: int,
+    adaptive: bool,
+    counters: Counters,
+) -> tuple[list[Emitted], int]:
+    """One round over `batch` (at least one row): each row's emission, in batch order, and
+    the next round's depth. The batch's state, keys and rows' last tokens and histories
+    move on; rows stay (the caller retires the finished ones)."""
+    rows = batch.rows
+    budget = max(r.remaining for r in rows) - 1  # drafts any row can still use
+    asked = min(depth, budget)
+    samplers = [r.request.params.sampler for r in rows]
+    sampler, key = _round_sampler(batch, samplers)
+    drafter = None
+    if drafting is not None and asked > 0:
+        drafter = batch.gate.gated(drafting.drafter, [row.remaining for row in rows])
+    batch.state, r = batch_round(
+        target, batch.take(), [row.last for row in rows], drafter, asked, sampler, key, plan,
+        k=k, vocab=vocab,
+    )  # fmt: skip
+    if drafting is not None and budget > 0:  # budget 0: every row ends with this round
+        drafting.accept(r.fed, r.kept, r.hidden)
+    counters.rounds += 1
+    counters.drafted += sum(batch.gate.counts)  # the drafts verified (after the gate's cuts)
+    batch.gate.update(r.accepted)
+    if r.span:
+        counters.accepted += sum(r.accepted)
+        if adaptive:
+            depth = _adapted(depth, k, r.accepted, r.span)
+    return _emitted(rows, r), depth
+
+
+def _round_sampler(batch: Batch, samplers: list[Sampler]) -> tuple[Sampler, mx.array | None]:
+    """The round's sampler (greedy when every row is; one Sampler when the rows share it;
+    else a RowSampler) and key (the rows' own keys, split; None when greedy)."""
+    if all(s.greedy for s in samplers):
+        return Sampler(), None
+    assert batch.keys is not None
+    batch.keys, key = split_row_keys(batch.keys)
+    first = samplers[0]
+    if all(s == first for s in samplers):
+        return first, key
+    return RowSampler.of(samplers), key
+
+
+def _emitted(rows: list[Row], r: Round) -> list[Emitted]:
+    """Each row's tokens of round `r`, cut at its budget and first stop id; its state now
+    holds its last token and accepted drafts (`history`), its next token is its last."""
+    cuts: list[list[int]] = []
+    reasons: list[str | None] = []
+    for b, row in enumerate(rows):
+        accepted = r.drafts[b][: r.accepted[b]]
+        row.history += [row.last, *accepted]
+        row.last = r.next_tokens[b]
+        tokens, reason = cut(
+            [*accepted, r.next_tokens[b]], row.remaining, row.request.params.stop_ids
+        )
+        cuts.append(tokens)
+        reasons.append(reason)
+    wanted = [b for b, row in enumerate(rows) if row.request.params.logprobs]
+    logprobs: dict[int, list[float]] = {}
+    if wanted:
+        logprobs = chosen_logprobs(r.logits, {b: cuts[b] for b in wanted})
+    return [Emitted(cuts[b], logprobs.get(b), reasons[b]) for b in range(len(rows))]
+
+
+def cut(tokens: list[int], remaining: int, stops: tuple[int, ...]) -> tuple[list[int], str | None]:
+    """A row's new `tokens` kept up to `remaining` and through its first stop id, and why it
+    finished: "stop", "length" or None."""
+    within = tokens[:remaining]
+    for j, t in enumerate(within):
+        if t in stops:
+            return within[: j + 1], "stop"
+    return within, "length" if len(within) >= remaining else None
+
+
+def chosen_logprobs(logits: mx.array, tokens: dict[int, list[int]]) -> dict[int, list[float]]:
+    """Row b's log-probability of each of its `tokens[b]`, token j under `logits[b, j]`
+    (B, T, vocab) (the target's log-softmax, as mlx-lm's `logprobs`), in one read."""
+    rows = list(tokens)
+    width = max((len(t) for t in tokens.values()), default=0)
+    if width == 0:
+        return {b: [] for b in rows}
+    ids = mx.array([t + [0] * (width - len(t)) for t in tokens.values()], mx.int32)
+    picked = logits[mx.array(rows), :width].astype(mx.float32)
+    scores = mx.take_along_axis(picked, ids[..., None], axis=-1)[..., 0]
+    values = cast(list[list[float]], (scores - mx.logsumexp(picked, axis=-1)).tolist())
+    return {b: values[i][: len(tokens[b])] for i, b in enumerate(rows)}
+
+
+def _adapted(depth: int, k: int, accepted: list[int], span: int) -> int:
+    """The next round's depth, as the generator adapts it: one more after a round whose
+    every row accepted all `span` drafts, one fewer after one with none accepted."""
+    if all(a == span for a in accepted):
+        return min(k, depth + 1)
+    if not any(accepted):
+        return max(1, depth - 1)
+    return depth

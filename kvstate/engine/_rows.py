@@ -1,0 +1,76 @@
+"""The running batch: the target's state over its rows and, per row, what the host keeps of
+it (its request, its last token, its key, the tokens its state holds). Rows join with
+`extend` (ragged lengths: left padding) and leave with `filter`; nothing else touches the
+state between rounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .. import extend, filter, merge
+from ._gate import RowGate
+from ._params import Request
+
+
+class Row:
+    """One running request. `last`: its last emitted token, in no state yet (the next round
+    feeds it); `history`: the tokens its state holds (prompt, then every token a round kept,
+    which past a stop or `max_tokens` can run beyond what it emitted)."""
+
+    __slots__ = ("history", "last", "request")
+
+    def __init__(self, request: Request, last: int, history: list[int]) -> None:
+        self.request, self.last, self.history = request, last, history
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still emit."""
+        return self.request.params.max_tokens - len(self.request.tokens)
+
+
+class Batch:
+    """The running rows (`rows`, in batch order), the target's `state` over them (None when
+    there are none) and their keys (B, 2), row b's the key its request draws with."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.state: Any = None
+        self.keys: mx.array | None = None
+        self.gate = RowGate()  # which rows' drafts the rounds verify
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, rows: list[Row], states: list[Any], keys: list[mx.array]) -> None:
+        """Append `rows`, with their batch-1 `states` and keys (2,), after the current ones."""
+        added = states[0] if len(states) == 1 else merge(states)
+        new_keys = mx.stack(keys)
+        if self.state is None:
+            self.state, self.keys = added, new_keys
+        else:
+            assert self.keys is not None
+            self.state = extend(self._take(), added)
+            self.keys = mx.concatenate([self.keys, new_keys])
+        self.rows += rows
+        self.gate.join(len(rows))
+
+    def keep(self, alive: list[int]) -> None:
+        """Only the rows at positions `alive` stay, in this order (none: the batch empties)."""
+        self.gate.keep(alive)
+        if not alive:
+            self.rows, self.state, self.keys = [], None, None
+            return
+        self.state = filter(self._take(), alive)
+        assert self.keys is not None
+        self.keys = self.keys[mx.array(alive)]
+        self.rows = [self.rows[i] for i in alive]
+
+    def take(self) -> Any:
+        """The state, handed over to a round (no reference kept here while it runs)."""
+        return self._take()
+
+    def _take(self) -> Any:
+        state, self.state = self.state, None
+        return state

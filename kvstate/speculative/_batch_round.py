@@ -1,0 +1,67 @@
+"""One round over a batch whose rows change between rounds (a serving engine's): the
+generator's round, as a function of the rows' state, last tokens, drafter and sampler
+alone, so a caller that admits and retires rows itself (`kvstate.engine`) runs the same
+propose / verify / accept / commit. The words are the package glossary's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .. import StateError, capabilities
+from ._checks import checked_proposal
+from ._drafter import Drafter, uses_hidden
+from ._linear_round import linear_round, plain_step
+from ._replay import commit_may_be_refused
+from ._round import Round, RoundPlan
+from ._sampling import Sampler
+from ._target import Target
+
+
+def round_plan(state: Any, drafter: Any = None) -> RoundPlan:
+    """What every round over states of `state`'s kinds does alike (whether the verify
+    captures checkpoints, whether a commit can be refused) with `drafter` (whether the
+    target returns its hidden states): decided once, since `filter`, `merge` and `extend`
+    keep the kinds."""
+    return RoundPlan(
+        capabilities(state).needs_checkpoints, commit_may_be_refused(state), uses_hidden(drafter)
+    )
+
+
+def batch_round(
+    target: Target,
+    state: Any,
+    last: list[int],
+    drafter: Drafter | None,
+    asked: int,
+    sampler: Sampler,
+    key: mx.array | None,
+    plan: RoundPlan,
+    *,
+    k: int,
+    vocab: int,
+) -> tuple[Any, Round]:
+    """One round for every row of `state`: with `drafter` and `asked` > 0, row b's drafts
+    after its `last` token (at most `asked`, this round's depth; `k` the most any round
+    asks) verified in one forward, and each row's accepted prefix committed (ragged); else,
+    or when nothing was drafted, a plain step (one token per row). `sampler`: a `Sampler`
+    or a `RowSampler` (one per row); `key`: the round's key, one `mx.random.key` or row keys
+    (B, 2) (None when greedy). Returns `(state, Round)`; the caller passes `state` as its
+    only reference (MLX then writes the verify into its buffers) and tells the drafter
+    what was kept (`drafter.accept(r.fed, r.kept)`).
+
+    Every draft is checked as the generator checks it (`DrafterError`, `TokenError`)."""
+    # Hand `state` over to the round: a reference held here while the verify runs would
+    # make MLX copy every KV buffer instead of writing into it.
+    box = [state]
+    del state
+    if not sampler.greedy and key is None:
+        raise StateError("batch_round: a sampled round needs a key (or row keys)")
+    proposal = None
+    if drafter is not None and asked > 0:
+        proposed = drafter.propose(last, asked, sampler)
+        proposal = checked_proposal(proposed, len(last), asked, k, vocab)
+    if proposal is None or max(proposal.counts) == 0:
+        return plain_step(target, box.pop(), last, sampler, key, plan.hidden)
+    return linear_round(target, box.pop(), last, proposal, sampler, key, plan, vocab)
