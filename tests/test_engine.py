@@ -356,18 +356,18 @@ def test_a_quantized_target_decodes_as_quantized_states_alone():
     assert requests[2].cached_tokens > 0
 
 
-def test_turboquant_states_need_a_model_that_reads_them(llama):
-    _, target, _ = llama
-    with pytest.raises(ks.NotSupportedError, match="turboquant"):
-        Engine(target, kv_bits=3, kv_scheme="turboquant")
-
-
-def test_turboquant_states_through_an_mlx_vlm_language_model():
+@pytest.mark.parametrize("library", ["mlx_lm", "mlx_vlm"])
+def test_turboquant_states_on_mlx_lm_and_mlx_vlm_models(library):
+    """Requests on TurboQuant states give the tokens of one prompt decoded alone on such a
+    state, on an mlx-lm model (its attention routed to mlx-vlm's) and an mlx-vlm one."""
     pytest.importorskip("mlx_vlm")
-    from kvstate.adapters.vlm import wrap as wrap_vlm
-    from tests.vlm_helpers import tiny_vlm
+    if library == "mlx_vlm":
+        from kvstate.adapters.vlm import wrap as wrap_vlm
+        from tests.vlm_helpers import tiny_vlm
 
-    target = wrap_vlm(tiny_vlm("llama"))
+        target = wrap_vlm(tiny_vlm("llama"))
+    else:
+        target = wrap(tiny_model("llama", head_dim=64, scale=3.0))
     prompts = [(3, 17, 42, 8, 99, 5), (9, 9, 1)]
 
     def alone(prompt: tuple[int, ...]) -> list[int]:

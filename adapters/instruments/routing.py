@@ -36,6 +36,9 @@ _ROUTED = "_kvstate_attention_routed"  # set on a routed model (an nn.Module is 
 # (queries, keys, values, cache, scale, mask, sinks) -> output, or None for mlx-lm's function
 Route = Callable[[Any, Any, Any, Any, float, Any, Any], Any]
 ROUTES: dict[type, Route] = {}
+# Caches whose states need their route at every step (so `wrap` routes the model for good the
+# first time one runs); the other routes serve one forward (`attention_routed`).
+ROUTED_FOR_GOOD: set[type] = set()
 
 
 def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
@@ -46,6 +49,7 @@ def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, m
 
 
 ROUTES[QuantizedStateCache] = _quantized
+ROUTED_FOR_GOOD.add(QuantizedStateCache)
 
 
 def routed_function(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,10 +128,12 @@ def attention_routed(model: nn.Module) -> swapped:
 
 
 def needs_routing(model: nn.Module, caches: list[Any]) -> bool:
-    """Whether `caches` hold a QuantizedStateCache and `model` is not routed yet."""
-    if getattr(model, _ROUTED, False):
+    """Whether `caches` hold a cache routed for good (a QuantizedStateCache, mlx-vlm's
+    TurboQuant caches) and `model` is not routed yet (mlx-vlm's language step is never: its
+    models read their own caches)."""
+    if getattr(model, _ROUTED, False) or not isinstance(model, nn.Module):
         return False
     for c in leaves(caches):  # noqa: SIM110  (a loop, not any(): this runs every verify)
-        if isinstance(c, QuantizedStateCache):
+        if type(c) in ROUTED_FOR_GOOD:
             return True
     return False

@@ -83,8 +83,8 @@ def _turboquant(state: Any, bits: float) -> Any:
 
 def _probe(target: Target, state: ModelState, scheme: str, options: dict[str, Any]) -> None:
     """One forward of one token on `state`: refuses a model whose attention cannot run on
-    it (mlx-lm's quantized attention wants head dims a multiple of the group size; its
-    models cannot read TurboQuant caches)."""
+    it (mlx-lm's quantized attention wants head dims a multiple of the group size;
+    TurboQuant states need mlx-vlm)."""
     try:
         logits, _ = target(mx.array([[0]], mx.int32), state)
         mx.eval(logits)
@@ -92,7 +92,7 @@ def _probe(target: Target, state: ModelState, scheme: str, options: dict[str, An
         raise
     except Exception as e:  # the model's own attention code, not kvstate's
         hint = (
-            "mlx-lm's models read TurboQuant caches through mlx-vlm (kvstate.adapters.vlm.wrap)"
+            "TurboQuant states are mlx-vlm's caches: install mlx-vlm (the vlm extra)"
             if scheme == "turboquant"
             else "choose a group size that divides the model's head dims"
         )

@@ -300,3 +300,32 @@ def to_hybrid_cache(state: TurboQuantKV) -> Any:
             setattr(cache, f"{side}s", _truncated(side_state(state, side), state.length))
     cache.offset = state.length
     return cache
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def _turboquant_attention(
+    queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
+) -> Any:
+    """An mlx-lm model's attention over mlx-vlm's TurboQuant caches: mlx-vlm's own attention
+    function (its fused kernels, or the dequantized path it falls back to). mlx-lm's function
+    would take the caches for its QuantizedKVCache (they have `bits`) and fail."""
+    from mlx_vlm.models.base import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(
+        queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
+    )
+
+
+def _route_mlx_lm_attention() -> None:
+    """Register the route (imported here, at the end: this module loads when the first
+    TurboQuant state or cache is converted, after the routing module exists)."""
+    from ...instruments.routing import ROUTED_FOR_GOOD, ROUTES
+
+    for cls in (tq.TurboQuantKVCache, tq.BatchTurboQuantKVCache):
+        ROUTES[cls] = _turboquant_attention
+        ROUTED_FOR_GOOD.add(cls)
+
+
+_route_mlx_lm_attention()
