@@ -358,12 +358,15 @@ def decode_overhead(group: Any, size: str, reps: int, say: Any) -> None:
 # ---------------------------------------------------------------------------- launch
 
 
+_LAUNCH = "from mlx._distributed_utils.launch import main; main()"
+
+
 def relaunch(backend: str, ranks: int) -> int:
     """Start this script on `ranks` local processes and pass its output through."""
-    launcher = shutil.which("mlx.launch") or os.path.join(
-        os.path.dirname(sys.executable), "mlx.launch"
-    )
-    command = [launcher, "--backend", backend, "-n", str(ranks)]
+    beside = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    found = shutil.which("mlx.launch") or (beside if os.path.exists(beside) else None)
+    launcher = [found] if found else [sys.executable, "-c", _LAUNCH]  # installed --target
+    command = [*launcher, "--backend", backend, "-n", str(ranks)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,4 +1,5 @@
-"""One rank of tests/test_distributed.py, started by `mlx.launch --backend ring -n 2`.
+"""One rank of tests/test_distributed.py, started by `mlx.launch --backend ring -n 2` (or
+`--backend nccl`, one GPU each: the backend named by KVSTATE_DIST_BACKEND).
 
 Every rank runs the same checks on tiny random-init models split over the group (llama and a
 qwen3_5-style hybrid tensor-sharded, a qwen3_next-style model pipelined) against the same
@@ -255,7 +256,7 @@ def check_divergence(group: Any, found: dict[str, Any]) -> None:
 
 def main() -> None:
     out = sys.argv[1]
-    group = mx.distributed.init()
+    group = mx.distributed.init(strict=True, backend=os.environ.get("KVSTATE_DIST_BACKEND", "any"))
     found: dict[str, Any] = {"rank": group.rank(), "size": group.size(), "models": {}}
     names = sys.argv[2:] or list(MODELS)
     for name in names:

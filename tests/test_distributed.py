@@ -1,6 +1,7 @@
 """kvstate on models split with mx.distributed.
 
-Two processes on this machine (`mlx.launch --backend ring -n 2`, loopback) run
+Two processes on this machine (`mlx.launch --backend ring -n 2`, loopback; with
+KVSTATE_DIST_BACKEND=nccl, `--backend nccl`: one GPU each) run
 tests/distributed_ranks.py once: a random-init llama and a qwen3_5-style hybrid sharded over
 the two ranks, a qwen3_next-style model pipelined over them, each against the same model run
 whole (mlx-lm's generate_step and caches: the oracle). The ranks report what they saw as
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -34,6 +36,9 @@ from kvstate.testing import assert_states_allclose, assert_states_equal
 WORKER = Path(__file__).with_name("distributed_ranks.py")
 NAMES = ["llama", "qwen3_5", "qwen3_next"]
 LAUNCH_TIMEOUT = 240
+# The backend the two ranks talk over: ring (TCP on loopback, the default: any machine) or,
+# on a machine with two GPUs, nccl (`mlx.launch` gives each rank its own GPU).
+BACKEND = os.environ.get("KVSTATE_DIST_BACKEND", "ring")
 
 
 # ---------------------------------------------------------------------------- two ranks
@@ -57,9 +62,10 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if launcher is None:
         pytest.skip("mlx.launch is not installed next to this python or on PATH")
     out = tmp_path_factory.mktemp("ranks")
-    # A free starting port: test runs in parallel must not meet on the default one.
-    command = [launcher, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port())]
-    command += [sys.executable, str(WORKER), str(out)]
+    # A free port: test runs in parallel must not meet on the default one.
+    port = ["--starting-port" if BACKEND == "ring" else "--nccl-port", str(_free_port())]
+    command = [launcher, "--backend", BACKEND, "-n", "2", *port]
+    command += ["--env", f"KVSTATE_DIST_BACKEND={BACKEND}", sys.executable, str(WORKER), str(out)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as e:
@@ -68,7 +74,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not any(p.exists() for p in reports):
         started = "Traceback" in done.stderr or "Traceback" in done.stdout
         if not started:  # the launcher or the ring backend could not start the processes
-            pytest.skip(f"mlx.launch --backend ring -n 2 could not run here: {done.stderr:.500}")
+            pytest.skip(
+                f"mlx.launch --backend {BACKEND} -n 2 could not run here: {done.stderr:.500}"
+            )
     assert all(p.exists() for p in reports), (
         f"a rank wrote no report (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
         f"{done.stderr[-3000:]}"
