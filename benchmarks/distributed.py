@@ -17,8 +17,8 @@ Parts (`--parts`, in this order):
 1. `agree`: what `kvstate.distributed.agree` costs per round, alone: the median (and 10th /
    90th percentile) over N calls of agree on a batch-1 round's decisions (3 ints: row,
    accepted, next token) and on a 32-row round's (96 ints), next to the raw collective it
-   is made of (`mx.distributed.all_gather` of 3 int32, read on the host) and the host
-   hashing alone. Calls are timed one by one, in blocks of each kind in rotating order.
+   is made of (`mx.distributed.all_gather` of 3 int32, read on the host) and agree's host
+   work alone (checking the values, hashing them). Calls are timed one by one, in blocks of each kind in rotating order.
 2. `speed`: tokens/s of the split model (tensor-parallel llama and qwen3_5-style hybrid,
    pipelined qwen3_next-style hybrid) against the same model whole on one device (rank 0
    alone, the other ranks waiting), plain greedy and speculative (the oracle drafter: the
@@ -183,7 +183,12 @@ def agree_cost(group: Any, calls: int, say: Any) -> float:
         "raw all_gather of 3 int32, read on the host": lambda: mx.distributed.all_gather(
             raw, group=group
         ).tolist(),
-        "agree's host work alone (the digest, 3 ints)": lambda: distributed._digest(one),
+        "agree's host work alone (checks, digest; 3 ints)": lambda: distributed._digest(
+            distributed._checked_values(one, "")
+        ),
+        "agree's host work alone (checks, digest; 96 ints)": lambda: distributed._digest(
+            distributed._checked_values(many, "")
+        ),
     }
     seen: dict[str, list[float]] = {k: [] for k in kinds}
     blocks = 5
