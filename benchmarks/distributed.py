@@ -183,6 +183,9 @@ def agree_cost(group: Any, calls: int, say: Any) -> float:
         "raw all_gather of 3 int32, read on the host": lambda: mx.distributed.all_gather(
             raw, group=group
         ).tolist(),
+        "raw all_gather of 3 int32 built from a list, read": lambda: mx.distributed.all_gather(
+            mx.array([one], mx.int32), group=group
+        ).tolist(),
         "agree's host work alone (checks, digest; 3 ints)": lambda: distributed._digest(
             distributed._checked_values(one, "")
         ),
