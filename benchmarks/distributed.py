@@ -1,26 +1,43 @@
-"""kvstate on a tensor-parallel model, 2 processes: decode overhead and speculative speedup.
+"""kvstate on models split over processes: agree's cost, split vs one device, wrap's overhead.
 
-Run (it launches itself with `mlx.launch --backend ring -n 2` when started alone):
+Run (it launches itself with `mlx.launch --backend BACKEND -n RANKS` when started alone):
 
-    .venv/bin/python benchmarks/distributed.py [--quick]
+    .venv/bin/python benchmarks/distributed.py [--quick]                 # CPU, ring, 2 ranks
+    .venv/bin/python benchmarks/distributed.py --parts agree --ranks 4   # agree vs world size
+    python3 benchmarks/distributed.py --backend nccl --size 1b          # 2 GPUs (h200x2.sh)
     mlx.launch --backend ring -n 2 .venv/bin/python benchmarks/distributed.py
 
-1. Per-token decode, same sharded llama, same run: one 1-token step through `wrap` (which in
-   a distributed model evaluates each forward's logits and state at once) vs the model on raw
-   mlx-lm caches (`logits = model(y, cache=caches)`, then an eval of the logits and every
-   cache array). Blocks of BLOCK steps interleaved in rotating order, both contexts growing
-   alike; figure: the median of the per-repetition ratio time(raw) / time(kvstate)
-   (>= 0.97 means kvstate costs at most 3% more per token), with its inter-quartile range,
-   on the wall clock and on this process's CPU time (on a loaded 2-core machine the wall
-   clock mostly measures how long each rank waits for the other to be scheduled).
-   Also timed alone (no collectives): the host work a split model adds to each wrap step.
-2. Speculative decoding on the sharded qwen3_5-style hybrid (gated delta + attention): the
-   generator with a drafter that proposes the true greedy continuation, each draft right
-   with probability 0.8 (as in the verify issue's figures), k = 4, against the same
-   generator with no drafter (plain greedy steps). Both include the per-round agreement
-   check of the ranks. Speedup = time(plain) / time(speculative); tokens are compared.
+On CUDA each rank runs on its own GPU: `mlx.launch --backend nccl` sets CUDA_VISIBLE_DEVICES
+per rank; started another way (mpirun, a scheduler) with MLX_RANK set and every GPU visible,
+the script pins rank r to GPU (MLX_LOCAL_RANK or r) mod the GPU count before MLX starts.
+Every rank prints the device it got.
 
-Rank 0 prints every row as it is measured. Models: random-init, fp32, sizes below.
+Parts (`--parts`, in this order):
+
+1. `agree`: what `kvstate.distributed.agree` costs per round, alone: the median (and 10th /
+   90th percentile) over N calls of agree on a batch-1 round's decisions (3 ints: row,
+   accepted, next token) and on a 32-row round's (96 ints), next to the raw collective it
+   is made of (`mx.distributed.all_gather` of 3 int32, read on the host) and agree's host
+   work alone (checking the values, hashing them). Calls are timed one by one, in blocks of each kind in rotating order.
+2. `speed`: tokens/s of the split model (tensor-parallel llama and qwen3_5-style hybrid,
+   pipelined qwen3_next-style hybrid) against the same model whole on one device (rank 0
+   alone, the other ranks waiting), plain greedy and speculative (the oracle drafter: the
+   model's own greedy continuation, each draft right with probability 0.8, K = 4), through
+   `kvstate.speculative.generate` (whose split runs include the per-round `agree`).
+   Interleaved repetitions, medians; the split run's time per round, and the share of it
+   that agree's median (part 1) is. "same tokens": speculative = plain, on each side (the
+   split and the whole model's greedy tokens are not compared: their sums run in another
+   order; tests/test_distributed.py checks exactness in float32).
+3. `decode`: per-token decode of the split llama through `wrap` (which in a split model
+   evaluates each forward's logits and state at once) vs the model on raw mlx-lm caches,
+   blocks of BLOCK steps interleaved; the median of the per-repetition ratio
+   time(raw) / time(kvstate) (>= 0.97: kvstate costs at most 3% more per token), on the
+   wall clock and on this process's CPU time (on a loaded 2-core machine the wall clock
+   mostly measures how long each rank waits for the other to be scheduled), and the host
+   work a split model adds to a wrap step, timed alone.
+
+Rank 0 prints every row as it is measured. Models: random-init; `--size tiny` (hidden 256,
+4 layers, float32: the CPU) or `--size 1b` (hidden 2048, 16 layers, ~1.1B, bfloat16: GPUs).
 """
 
 from __future__ import annotations
@@ -35,41 +52,107 @@ import sys
 import time
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
-from _harness import _quantile, environment, fmt_ratio, fmt_time, table
-from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate.adapters import wrap
-from kvstate.adapters.tiny_models import VOCAB, tiny_model
-from kvstate.speculative import Proposal, Sampler, generate
+def _pin_gpu() -> None:
+    """Give this rank one GPU before MLX starts, unless the launcher already did."""
+    if "MLX_RANK" not in os.environ or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
+    gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
+    if gpus:
+        local = int(os.environ.get("MLX_LOCAL_RANK", os.environ["MLX_RANK"]))
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
 
-SIZE = {
+
+_pin_gpu()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from _harness import _quantile, device_name, environment, fmt_ratio, fmt_time, table  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kvstate import distributed  # noqa: E402
+from kvstate.adapters import wrap  # noqa: E402
+from kvstate.adapters.tiny_models import tiny_model  # noqa: E402
+from kvstate.speculative import Proposal, Sampler, generate  # noqa: E402
+
+TINY = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "head_dim": 32,
 }
-HYBRID = {
-    **SIZE,
-    "model_type": "qwen3_5",
+TINY_HYBRID = {
+    **TINY,
     "num_experts": 0,
     "linear_num_value_heads": 8,
     "linear_num_key_heads": 4,
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
 }
+LARGE = {  # ~1.1B each, as benchmarks/verify.py's large models
+    "llama": {
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 8192,
+    },
+    "hybrid": {
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "intermediate_size": 5632,
+        "num_experts": 0, "max_position_embeddings": 8192,
+    },
+}  # fmt: skip
+# name -> (mlx-lm module of tiny_model, overrides by size, how the model is split)
+MODELS: dict[str, tuple[str, dict[str, dict[str, Any]], str]] = {
+    "llama": ("llama", {"tiny": TINY, "1b": LARGE["llama"]}, "shard"),
+    "qwen3_5": (
+        "qwen3_next",
+        {
+            "tiny": {**TINY_HYBRID, "model_type": "qwen3_5"},
+            "1b": {**LARGE["hybrid"], "model_type": "qwen3_5"},
+        },
+        "shard",
+    ),
+    "qwen3_next": ("qwen3_next", {"tiny": TINY_HYBRID, "1b": LARGE["hybrid"]}, "pipeline"),
+}
+LABEL = {
+    "llama": "llama",
+    "qwen3_5": "qwen3_5-style hybrid",
+    "qwen3_next": "qwen3_next-style hybrid",
+}
 BLOCK = 32
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 120, 64, 5, 77, 1, 2, 200, 9]
+
+
+def build(name: str, size: str, group: Any = None) -> Any:
+    """The model, whole, or split over `group` as its row of MODELS says."""
+    arch, sizes, how = MODELS[name]
+    large = size == "1b"
+    model = tiny_model(
+        arch, scale=1.0 if large else 4.0, dtype=mx.bfloat16 if large else mx.float32,
+        **sizes[size],
+    )  # fmt: skip
+    if group is not None:
+        model.shard(group) if how == "shard" else model.model.pipeline(group)
+    return model
+
+
+def barrier(group: Any) -> None:
+    distributed.agree([1], group, what="barrier")
 
 
 class OracleDrafter:
     """Drafts the true greedy continuation, each token right with probability p (a seeded
     choice, identical on every rank)."""
 
-    def __init__(self, truth: list[int], p: float) -> None:
-        self.truth, self.p, self.at = truth, p, 1
+    def __init__(self, truth: list[int], p: float, vocab: int) -> None:
+        self.truth, self.p, self.vocab, self.at = truth, p, vocab, 1
         self.rng = np.random.default_rng(0)
 
     def start(self, prompts: list[list[int]]) -> None:
@@ -77,7 +160,7 @@ class OracleDrafter:
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         true = (self.truth + [0] * (k + 1))[self.at : self.at + k]
-        drafts = [t if self.rng.random() < self.p else (t + 1) % VOCAB for t in true]
+        drafts = [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true]
         return Proposal(mx.array([drafts], mx.int32), [k], None)
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
@@ -87,9 +170,139 @@ class OracleDrafter:
         pass
 
 
-def decode_overhead(group: Any, reps: int, say: Any) -> None:
-    model = tiny_model("llama", **SIZE)
-    model.shard(group)
+# ---------------------------------------------------------------------------- 1. agree
+
+
+def agree_cost(group: Any, calls: int, say: Any) -> float:
+    """Rows of agree's cost per call; returns the median of the batch-1 agree (seconds)."""
+    one, many = [0, 3, 17], [v for b in range(32) for v in (b, b % 5, 100 + b)]
+    raw = mx.array([one], mx.int32)
+    kinds = {
+        "agree, batch-1 round (3 ints)": lambda: distributed.agree(one, group),
+        "agree, 32-row round (96 ints)": lambda: distributed.agree(many, group),
+        "raw all_gather of 3 int32, read on the host": lambda: mx.distributed.all_gather(
+            raw, group=group
+        ).tolist(),
+        "raw all_gather of 3 int32 built from a list, read": lambda: mx.distributed.all_gather(
+            mx.array([one], mx.int32), group=group
+        ).tolist(),
+        "agree's host work alone (checks, digest; 3 ints)": lambda: distributed._digest(
+            distributed._checked_values(one, "")
+        ),
+        "agree's host work alone (checks, digest; 96 ints)": lambda: distributed._digest(
+            distributed._checked_values(many, "")
+        ),
+    }
+    seen: dict[str, list[float]] = {k: [] for k in kinds}
+    blocks = 5
+    names = list(kinds)
+    for b in range(blocks + 1):  # the first block warms up
+        for name in names[b % len(names) :] + names[: b % len(names)]:
+            barrier(group)
+            for _ in range(max(1, calls // blocks)):
+                started = time.perf_counter()
+                kinds[name]()
+                if b:
+                    seen[name].append(time.perf_counter() - started)
+    rows = []
+    for name, times in seen.items():
+        times.sort()
+        rows.append(
+            [
+                name,
+                len(times),
+                f"**{statistics.median(times) * 1e6:.1f}**",
+                f"{_quantile(times, 0.1) * 1e6:.1f}",
+                f"{_quantile(times, 0.9) * 1e6:.1f}",
+            ]
+        )
+    say(f"agree per call, {group.size()} ranks; rank 0:\n")
+    say(table(["call", "calls", "median us", "p10 us", "p90 us"], rows))
+    return statistics.median(seen["agree, batch-1 round (3 ints)"])
+
+
+# ---------------------------------------------------------------------------- 2. speed
+
+
+def _run(m: Any, drafter: Any, tokens: int) -> tuple[float, list[int], int]:
+    started = time.perf_counter()
+    rounds = list(generate(m, [PROMPT], drafter, k=4, max_tokens=tokens))
+    elapsed = time.perf_counter() - started
+    return elapsed, [t.token for r in rounds for t in r], len(rounds)
+
+
+def _timed(m: Any, tokens: int, reps: int) -> dict[str, Any]:
+    """Plain and speculative runs of `m`, interleaved: median seconds, rounds, same tokens."""
+    vocab = int(m.vocab_size)
+    _, truth, _ = _run(m, None, tokens + 8)  # also the warm-up
+    times: dict[str, list[float]] = {"plain": [], "speculative": []}
+    rounds: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
+    for rep in range(reps + 1):
+        order = ["plain", "speculative"] if rep % 2 == 0 else ["speculative", "plain"]
+        for name in order:
+            drafter = OracleDrafter(truth, 0.8, vocab) if name == "speculative" else None
+            elapsed, outputs[name], rounds[name] = _run(m, drafter, tokens)
+            if rep:  # the first repetition warms up the speculative shapes
+                times[name].append(elapsed)
+    same = outputs["plain"] == outputs["speculative"] == truth[:tokens]
+    return {
+        **{n: statistics.median(t) for n, t in times.items()},
+        "rounds": rounds,
+        "same": same,
+    }
+
+
+def speed(
+    group: Any, names: list[str], size: str, tokens: int, reps: int, agree_s: float, say: Any
+) -> None:
+    rank = group.rank()
+    say(
+        f"tokens/s, batch 1, {tokens} tokens a run, median of {reps} interleaved runs; split "
+        f"over {group.size()} ranks vs whole on one device (rank 0 alone); speculative: oracle "
+        "drafter p = 0.8, K = 4; rank 0:\n"
+    )
+    header = ["model", "split", "plain: one device", "plain: split", "split / one",
+              "spec: one device", "spec: split", "split / one", "spec / plain (split)",
+              "split: per round (spec; plain)", "agree / round (spec; plain)", "same tokens"]  # fmt: skip
+    say("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for name in names:
+        one: dict[str, Any] | None = None
+        if rank == 0:
+            one = _timed(wrap(build(name, size)), tokens, reps)
+        barrier(group)
+        split = _timed(wrap(build(name, size, group)), tokens, reps)
+        barrier(group)
+        if one is None:
+            continue
+        how = MODELS[name][2]
+
+        def tps(seconds: float) -> str:
+            return f"{tokens / seconds:.0f}"
+
+        per_round = [split[n] / split["rounds"][n] for n in ("speculative", "plain")]
+        row = [
+            f"{LABEL[name]} ({size})",
+            "tensor" if how == "shard" else "pipeline",
+            tps(one["plain"]),
+            tps(split["plain"]),
+            f"**{one['plain'] / split['plain']:.2f}x**",
+            tps(one["speculative"]),
+            tps(split["speculative"]),
+            f"**{one['speculative'] / split['speculative']:.2f}x**",
+            f"{split['plain'] / split['speculative']:.2f}x",
+            "; ".join(fmt_time(t) for t in per_round),
+            "; ".join(f"{agree_s / t:.1%}" for t in per_round),
+            "yes" if one["same"] and split["same"] else "**NO**",
+        ]
+        say("| " + " | ".join(str(c) for c in row) + " |")
+
+
+# ---------------------------------------------------------------------------- 3. decode
+
+
+def decode_overhead(group: Any, size: str, reps: int, say: Any) -> None:
+    model = build("llama", size, group)
     m = wrap(model)
     caches = make_prompt_cache(model)
     raw_logits = model(mx.array([PROMPT]), cache=caches)
@@ -138,7 +351,7 @@ def decode_overhead(group: Any, reps: int, say: Any) -> None:
         )
     # What a split model adds to wrap's step, without the collectives' scheduling noise:
     # stamping the placement and the eval walk over the state (arrays already evaluated).
-    state, logits = held["state"], mx.zeros((1, 1, VOCAB))
+    state, logits = held["state"], mx.zeros((1, 1, int(m.vocab_size)))
     mx.eval(logits)
     n = 2000
     started = time.perf_counter()
@@ -146,81 +359,64 @@ def decode_overhead(group: Any, reps: int, say: Any) -> None:
         m.adopt(state, logits)
     added = (time.perf_counter() - started) / n
     rows.append(["host work a split model adds to a wrap step", "", fmt_time(added), ""])
-    say("llama hidden 256, 4 layers, 8 q / 4 kv heads, tensor-sharded over 2 ranks; rank 0:\n")
+    say(f"llama ({size}) tensor-sharded over {group.size()} ranks, per token; rank 0:\n")
     say(table(["per token", "raw mlx-lm caches", "kvstate", "raw / kvstate"], rows))
 
 
-def speculative_speedup(group: Any, reps: int, tokens: int, say: Any) -> None:
-    model = tiny_model("qwen3_next", **HYBRID)
-    model.shard(group)
-    m = wrap(model)
-    truth = [t.token for r in generate(m, [PROMPT], None, max_tokens=tokens + 8) for t in r]
-    times: dict[str, list[float]] = {"plain": [], "speculative": []}
-    outputs: dict[str, list[int]] = {}
-    for rep in range(reps + 1):
-        order = ["plain", "speculative"] if rep % 2 == 0 else ["speculative", "plain"]
-        for name in order:
-            drafter = OracleDrafter(truth, 0.8) if name == "speculative" else None
-            started = time.perf_counter()
-            out = [
-                t.token for r in generate(m, [PROMPT], drafter, k=4, max_tokens=tokens) for t in r
-            ]
-            elapsed = time.perf_counter() - started
-            if rep:  # the first repetition warms up
-                times[name].append(elapsed)
-            outputs[name] = out
-    same = outputs["plain"] == outputs["speculative"] == truth[:tokens]
-    plain, spec = (statistics.median(times[n]) for n in ("plain", "speculative"))
-    ratios = sorted(p / s for p, s in zip(times["plain"], times["speculative"], strict=True))
-    say(
-        table(
-            [
-                "model",
-                "tokens",
-                "plain greedy",
-                "speculative (p=0.8, k=4)",
-                "speedup",
-                "same tokens",
-            ],
-            [
-                [
-                    "qwen3_5-style hybrid hidden 256, 4 layers, tensor-sharded over 2",
-                    tokens,
-                    f"{fmt_time(plain)} ({tokens / plain:.0f} tok/s)",
-                    f"{fmt_time(spec)} ({tokens / spec:.0f} tok/s)",
-                    f"**{statistics.median(ratios):.2f}x** [{ratios[0]:.2f}, {ratios[-1]:.2f}]",
-                    "yes" if same else "**NO**",
-                ]
-            ],
-        )
-    )
+# ---------------------------------------------------------------------------- launch
 
 
-def relaunch() -> int:
-    """Start this script on 2 ranks (ring backend, loopback) and pass its output through."""
-    launcher = shutil.which("mlx.launch") or os.path.join(
-        os.path.dirname(sys.executable), "mlx.launch"
-    )
+_LAUNCH = "from mlx._distributed_utils.launch import main; main()"
+
+
+def relaunch(backend: str, ranks: int) -> int:
+    """Start this script on `ranks` local processes and pass its output through."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    found = shutil.which("mlx.launch") or (beside if os.path.exists(beside) else None)
+    launcher = [found] if found else [sys.executable, "-c", _LAUNCH]  # installed --target
+    command = [*launcher, "--backend", backend, "-n", str(ranks)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [launcher, "--backend", "ring", "-n", "2", "--starting-port", str(port)]
+    command += ["--starting-port" if backend == "ring" else "--nccl-port", str(port)]
     return subprocess.call([*command, sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    parser.add_argument("--backend", default="ring", choices=["ring", "nccl", "mpi", "jaccl"])
+    parser.add_argument("--ranks", type=int, default=2, help="processes, when it launches itself")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "1b"])
+    parser.add_argument("--parts", default="agree,speed,decode", help="agree,speed,decode")
+    parser.add_argument("--models", default="llama,qwen3_5,qwen3_next")
+    parser.add_argument("--tokens", type=int, default=0, help="tokens a run (0: by size)")
+    parser.add_argument("--calls", type=int, default=0, help="agree calls (0: 2000, quick 300)")
     args = parser.parse_args()
-    group = mx.distributed.init()
-    if group.size() == 1:
-        sys.exit(relaunch())
-    say = print if group.rank() == 0 else (lambda *a, **k: None)
-    say(f"## kvstate on a tensor-parallel model ({group.size()} ranks, ring backend)\n")
-    say(environment(args.quick) + f"\n- ranks: {group.size()} processes on this machine\n")
-    decode_overhead(group, 5 if args.quick else 21, say)
+    if "MLX_RANK" not in os.environ:  # not started by a launcher: launch the ranks
+        sys.exit(relaunch(args.backend, args.ranks))
+    group = mx.distributed.init(strict=True, backend=args.backend)
+    rank = group.rank()
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if rank == 0 else (lambda *a, **k: None)
+    say(f"## kvstate split over {group.size()} ranks ({args.backend} backend)\n")
+    say(environment(args.quick) + f"\n- ranks: {group.size()}, size {args.size}")
+    barrier(group)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    print(f"- rank {rank}: {device_name()}, CUDA_VISIBLE_DEVICES={visible}", flush=True)
+    barrier(group)
     say("")
-    speculative_speedup(group, 2 if args.quick else 5, 24 if args.quick else 48, say)
+    parts = args.parts.split(",")
+    agree_s = float("nan")
+    if "agree" in parts:
+        agree_s = agree_cost(group, args.calls or (300 if args.quick else 2000), say)
+        say("")
+    if "speed" in parts:
+        tokens = args.tokens or (24 if args.quick else 48 if args.size == "tiny" else 128)
+        reps = 2 if args.quick else 5
+        speed(group, args.models.split(","), args.size, tokens, reps, agree_s, say)
+        say("")
+    if "decode" in parts:
+        decode_overhead(group, args.size, 5 if args.quick else 21, say)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     mlx.launch --backend ring -n 2 python examples/distributed.py             # 2 processes here
     mlx.launch --backend ring -n 2 python examples/distributed.py --pipeline  # layers, not heads
     mlx.launch --hosts mac1,mac2 python examples/distributed.py               # 2 Macs over TCP
+    mlx.launch --backend ring --hostfile hosts.json -- python examples/distributed.py --dir /shared
+    mlx.launch --backend nccl -n 2 python examples/distributed.py             # 2 GPUs, one each
     python examples/distributed.py                                            # 1 process
 
 Every rank runs this same program on the same random-init model (same seed, same weights):
@@ -11,7 +13,9 @@ qwen3_next-style hybrid split by layers (`model.model.pipeline(group)`). `wrap` 
 split off the model, so each rank's state holds its own heads or layers and says which. The
 speculative generator then runs on every rank and checks, each round, that every rank accepted
 the same drafts. Each rank saves its own state; rank 0 loads every rank's file, gathers them
-into the whole model's state and checks it against the model run whole in one process.
+into the whole model's state and checks it against the model run whole in one process
+(across hosts `--dir` must be a directory they share). README's "Several hosts" has the
+hostfiles for ring, nccl and jaccl.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""One rank of tests/test_distributed.py, started by `mlx.launch --backend ring -n 2`.
+"""One rank of tests/test_distributed.py, started by `mlx.launch --backend ring -n 2` (or
+`--backend nccl`, one GPU each: the backend named by KVSTATE_DIST_BACKEND).
 
 Every rank runs the same checks on tiny random-init models split over the group (llama and a
 qwen3_5-style hybrid tensor-sharded, a qwen3_next-style model pipelined) against the same
-model run whole in this process (mlx-lm's own generate_step and caches: the oracle), and
-writes what it saw to OUT/rank<r>.json; the parent test compares the ranks and asserts.
+model run whole in this process (mlx-lm's own generate_step and caches: the oracle): `wrap`,
+the generator and the serving engine (`kvstate.engine`), and writes what it saw to OUT/rank<r>.json; the parent test compares the ranks and asserts.
 A check that raises is recorded, not fatal, so the other checks still report.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 # Run as a script by mlx.launch: this directory is first on sys.path.
+from engine_helpers import Oracle, OracleDrafter  # type: ignore[import-not-found]
 from helpers import ScriptedDrafter  # type: ignore[import-not-found]
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -27,7 +29,8 @@ import kvstate as ks
 from kvstate import distributed
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
-from kvstate.speculative import Sampler, generate, verify_paths
+from kvstate.engine import Engine, RequestParams
+from kvstate.speculative import Proposal, Sampler, generate, verify_paths
 from kvstate.testing import assert_states_allclose, assert_states_equal
 
 NEW = 16
@@ -74,6 +77,52 @@ def by_row(seen: list[list[list[int]]], rows: int) -> list[list[int]]:
         for row, token, _ in r:
             out[row].append(token)
     return out
+
+
+class FullDrafter(OracleDrafter):
+    """OracleDrafter drafting the whole depth in every row: ranks whose drafts differ still
+    run verify forwards of one shape (the model's own collectives would hang on two)."""
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        drafts = super().propose(last, k, sampler).tokens
+        return Proposal(drafts, [k] * len(last), None)
+
+
+def serve(m: Any, drafter: Any, params: list[RequestParams], **options: Any) -> dict[str, Any]:
+    """PROMPTS (and PROMPTS[0] again, late: a prefix-cache hit) through an engine on `m`,
+    arriving over the first steps, prefilled in chunks of 4 between the running rows'
+    rounds: every step's outputs as [request id, tokens, finish] and each request's tokens."""
+    engine = Engine(m, drafter, prefill_chunk=4, **options)
+    arrivals = {0: [0, 1], 2: [2], 5: [0]}  # step -> prompts submitted before it
+    requests, steps = [], []
+    while len(steps) < 200 and (engine.has_work() or len(steps) <= max(arrivals)):
+        for i in arrivals.get(len(steps), []):
+            requests.append(engine.submit(PROMPTS[i], params[len(requests) % len(params)]))
+        steps.append([[o.request.id, list(o.tokens), o.finish_reason] for o in engine.step()])
+    return {
+        "steps": steps,
+        "tokens": [r.tokens for r in requests],
+        "prompts": [list(r.prompt) for r in requests],
+        "cached": [r.cached_tokens for r in requests],
+        **{k: engine.stats()[k] for k in ("rounds", "drafted", "accepted")},
+    }
+
+
+def check_engine(whole: Any, m: Any, w: Any, found: dict[str, Any]) -> None:
+    """The serving engine on the split model, plain and speculative (drafts right half the
+    time, ragged counts): each request's tokens against the whole model's generate_step."""
+    oracle = Oracle(whole, w, NEW)
+    lengths = [RequestParams(max_tokens=NEW), RequestParams(max_tokens=NEW - 5)]
+    runs = {
+        "plain": serve(m, None, lengths),
+        "speculative": serve(m, OracleDrafter(oracle, 0.5, seed=1), lengths, k=4,
+                             prefix_cache_bytes=2**24),
+    }  # fmt: skip
+    for run in runs.values():
+        run["oracle"] = [
+            oracle(tuple(p))[: lengths[i % 2].max_tokens] for i, p in enumerate(run["prompts"])
+        ]
+    found["engine"] = runs
 
 
 def verify_round(m: Any) -> ks.ModelState:
@@ -134,6 +183,7 @@ def check_model(name: str, group: Any, out: str, found: dict[str, Any]) -> None:
         v = verify_paths(model, start, truth[0][0], paths)
         verdicts.append([v.path, v.accepted, v.tokens])
     found["paths"] = verdicts
+    check_engine(whole, m, w, found)
 
     # States: every rank saves its own; any rank gathers them all into the whole model's.
     mine = verify_round(m)
@@ -182,6 +232,18 @@ def check_divergence(group: Any, found: dict[str, Any]) -> None:
     found["generate_different_seeds"] = raises(
         lambda: list(generate(m, PROMPTS, None, max_tokens=4, sampler=hot, seed=rank))
     )
+    # The engine: drafts seeded differently per rank (greedy: the same tokens in the end, but
+    # not in the same rounds), and sampled requests seeded by rank.
+    oracle = Oracle(whole, wrap(whole), NEW)
+    greedy_params = [RequestParams(max_tokens=NEW)]
+    found["engine_different_drafts"] = raises(
+        lambda: serve(m, FullDrafter(oracle, 0.5, seed=10 + rank), greedy_params)
+    )
+    sampled = [RequestParams(max_tokens=4, temperature=1.0, seed=rank)]
+    found["engine_different_seeds"] = raises(lambda: serve(m, None, sampled))
+    found["engine_same_seeds"] = raises(
+        lambda: serve(m, None, [RequestParams(max_tokens=4, temperature=1.0, seed=5)])
+    )
     # A model both sharded and (here, by hand) marked as pipelined: wrap refuses it.
     both = build("llama", group)
     both.model.pipeline_size = 2
@@ -194,7 +256,7 @@ def check_divergence(group: Any, found: dict[str, Any]) -> None:
 
 def main() -> None:
     out = sys.argv[1]
-    group = mx.distributed.init()
+    group = mx.distributed.init(strict=True, backend=os.environ.get("KVSTATE_DIST_BACKEND", "any"))
     found: dict[str, Any] = {"rank": group.rank(), "size": group.size(), "models": {}}
     names = sys.argv[2:] or list(MODELS)
     for name in names:

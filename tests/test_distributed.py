@@ -1,10 +1,11 @@
 """kvstate on models split with mx.distributed.
 
-Two processes on this machine (`mlx.launch --backend ring -n 2`, loopback) run
+Two processes on this machine (`mlx.launch --backend ring -n 2`, loopback; with
+KVSTATE_DIST_BACKEND=nccl, `--backend nccl`: one GPU each) run
 tests/distributed_ranks.py once: a random-init llama and a qwen3_5-style hybrid sharded over
 the two ranks, a qwen3_next-style model pipelined over them, each against the same model run
 whole (mlx-lm's generate_step and caches: the oracle). The ranks report what they saw as
-JSON; the tests below assert on it. The pure parts (placements, gather / scatter, files,
+JSON (the serving engine's steps too); the tests below assert on it. The pure parts (placements, gather / scatter, files,
 agreement in one process) are tested here directly.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -34,6 +36,9 @@ from kvstate.testing import assert_states_allclose, assert_states_equal
 WORKER = Path(__file__).with_name("distributed_ranks.py")
 NAMES = ["llama", "qwen3_5", "qwen3_next"]
 LAUNCH_TIMEOUT = 240
+# The backend the two ranks talk over: ring (TCP on loopback, the default: any machine) or,
+# on a machine with two GPUs, nccl (`mlx.launch` gives each rank its own GPU).
+BACKEND = os.environ.get("KVSTATE_DIST_BACKEND", "ring")
 
 
 # ---------------------------------------------------------------------------- two ranks
@@ -57,9 +62,10 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if launcher is None:
         pytest.skip("mlx.launch is not installed next to this python or on PATH")
     out = tmp_path_factory.mktemp("ranks")
-    # A free starting port: test runs in parallel must not meet on the default one.
-    command = [launcher, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port())]
-    command += [sys.executable, str(WORKER), str(out)]
+    # A free port: test runs in parallel must not meet on the default one.
+    port = ["--starting-port" if BACKEND == "ring" else "--nccl-port", str(_free_port())]
+    command = [launcher, "--backend", BACKEND, "-n", "2", *port]
+    command += ["--env", f"KVSTATE_DIST_BACKEND={BACKEND}", sys.executable, str(WORKER), str(out)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired as e:
@@ -68,7 +74,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not any(p.exists() for p in reports):
         started = "Traceback" in done.stderr or "Traceback" in done.stdout
         if not started:  # the launcher or the ring backend could not start the processes
-            pytest.skip(f"mlx.launch --backend ring -n 2 could not run here: {done.stderr:.500}")
+            pytest.skip(
+                f"mlx.launch --backend {BACKEND} -n 2 could not run here: {done.stderr:.500}"
+            )
     assert all(p.exists() for p in reports), (
         f"a rank wrote no report (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
         f"{done.stderr[-3000:]}"
@@ -125,6 +133,28 @@ def test_speculative_decoding_of_a_ragged_batch_matches_and_commits_alike(ranks,
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("run", ["plain", "speculative"])
+def test_the_engine_serves_a_split_model_with_the_single_process_tokens(ranks, name, run):
+    """kvstate.engine on the split model, every rank submitting the same four requests over
+    the first steps (chunked prefills between rounds, a late repeat of a prompt; speculative:
+    ragged drafts right half the time and a prefix cache): each request's tokens are the
+    whole model's greedy ones (mlx-lm's generate_step), and both ranks went through
+    identical steps (the same outputs in every step)."""
+    r0, r1 = (s["engine"][run] for s in _model(ranks, name))
+    for s in (r0, r1):
+        assert s["tokens"] == s["oracle"]
+        assert len(s["tokens"]) == 4 and all(len(set(t)) > 4 for t in s["oracle"][:1])
+    assert r0["steps"] == r1["steps"]
+    assert [r0[k] for k in ("rounds", "drafted", "accepted")] == [
+        r1[k] for k in ("rounds", "drafted", "accepted")
+    ]
+    assert len(r0["steps"]) > 10  # requests joined and left between the rounds
+    if run == "speculative":
+        assert r0["cached"][3] > 0  # the repeat started from the prefix cache
+        assert 0 < r0["accepted"] < r0["drafted"]  # some drafts accepted, some rejected
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_gathered_rank_states_equal_the_single_process_state(ranks, name):
     """After a ragged prefill, decode steps, a capturing verify and a ragged commit, the ranks'
     saved states gather into the whole model's state (allclose); scattering it back gives
@@ -165,6 +195,11 @@ def test_ranks_that_decide_differently_raise_instead_of_diverging(ranks):
         assert drafts["type"] == "DivergenceError" and "accepted counts" in drafts["message"]
         seeds = d["generate_different_seeds"]
         assert seeds["type"] == "DivergenceError" and "first tokens" in seeds["message"]
+        for key in ("engine_different_drafts", "engine_different_seeds"):
+            assert d[key]["type"] == "DivergenceError", d[key]
+            assert "the engine step's decisions differ" in d[key]["message"]
+            assert f"this is rank {rank}" in d[key]["message"]
+        assert d["engine_same_seeds"]["type"] == "", d["engine_same_seeds"]["message"]
         both = d["both_splits"]
         assert (
             both["type"] == "NotSupportedError"
@@ -308,8 +343,10 @@ def test_rank_files_record_their_placement_and_refuse_the_wrong_rank(tmp_path):
 
 
 def test_a_whole_model_decides_without_collectives(monkeypatch):
-    """One process: wrap records no placement, agree() is the identity, and the generator
-    never calls it (the single-process path pays nothing for the distributed checks)."""
+    """One process: wrap records no placement, agree() is the identity, and neither the
+    generator nor the engine calls it (the single-process path pays nothing for the
+    distributed checks)."""
+    from kvstate.engine import Engine, RequestParams, _engine
     from kvstate.speculative import _generate, _plain
 
     assert distributed.agree([3, 1], None) == [3, 1]
@@ -322,10 +359,16 @@ def test_a_whole_model_decides_without_collectives(monkeypatch):
 
     monkeypatch.setattr(_generate, "agree", refuse)
     monkeypatch.setattr(_plain, "agree", refuse)
+    monkeypatch.setattr(_engine, "agree", refuse)
     rounds = list(_generate.generate(m, [[1, 2, 3]], None, max_tokens=3))
     assert sum(len(r) for r in rounds) == 3
     rounds = list(_generate.generate(m, [[1, 2, 3]], NGramDrafter(), max_tokens=3))
     assert sum(len(r) for r in rounds) == 3
+    engine = Engine(m, "ngram")
+    request = engine.submit([1, 2, 3], RequestParams(max_tokens=3))
+    while engine.has_work():
+        engine.step()
+    assert len(request.tokens) == 3
 
 
 def test_state_files_from_before_placements_still_load(tmp_path):

@@ -43,6 +43,7 @@ from .. import (
     extract,
     nbytes,
 )
+from ..distributed import agree, group_of
 from ..kinds import config_mismatches, config_of, host_ints
 from ..speculative import Target, generation_keys, round_plan
 from ._drafting import Drafting, resolve
@@ -145,6 +146,7 @@ class Engine:
         self._next_id = 0
         self._counters = Counters()
         self._reference: Any = None  # a one-token state: what loaded cache states must match
+        self._group = group_of(target)  # a split model: every step's decisions are agreed
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -182,6 +184,8 @@ class Engine:
             self._decode(out)
         if ready:
             self._join(ready)
+        if self._group is not None:
+            agree(self._decisions(out), self._group, what="the engine step's decisions")
         self._counters.step(started, out.tokens)
         return out.outputs()
 
@@ -367,6 +371,18 @@ class Engine:
             for n, state in p.snapshots:
                 self._cache.insert(p.tokens[:n], state)
         p.snapshots.clear()
+
+    def _decisions(self, out: _Outputs) -> list[int]:
+        """What every rank of a split model must have decided alike in a step (one list for
+        `agree`): requests taken, rows running / prefilling / queued, the next depth, and per
+        output its request id, finish, and tokens (first tokens, accepted drafts, next
+        tokens). Checked after the step's forwards and before its outputs are returned."""
+        finishes = {None: 0, "stop": 1, "length": 2, "cancelled": 3}
+        decided = [self._next_id, len(self._batch), len(self._prefilling), len(self._queue)]
+        decided.append(self._depth)
+        for o in out.outputs():
+            decided += [o.request.id, finishes.get(o.finish_reason, 4), len(o.tokens), *o.tokens]
+        return decided
 
     # -- the prefix cache's files -----------------------------------------------------------
 
