@@ -104,11 +104,13 @@ class QuantizedKV(State):
         return upgraded, {**children, "left_padding": None}
 
 
-def key_codec(state: QuantizedKV) -> Codec:
+def key_codec(state: Any) -> Codec:
+    """The key side's codec of a QuantizedKV (or QuantizedRotatingKV)."""
     return Codec(state.key_bits, state.key_group_size, state.key_pad, state.rotation, state.seed)
 
 
-def value_codec(state: QuantizedKV) -> Codec:
+def value_codec(state: Any) -> Codec:
+    """The value side's codec of a QuantizedKV (or QuantizedRotatingKV)."""
     return Codec(
         state.value_bits, state.value_group_size, state.value_pad, state.rotation, state.seed
     )
@@ -319,9 +321,11 @@ def quantize(
     multiple of a side's group size are zero-padded up to one (stored 80 -> 96 at group 32).
     Only the `length` used positions are quantized; left padding and `appended` carry over.
 
-    A ModelState or ListState is mapped over: its DenseKV layers are quantized and every
-    other kind is left as it is, like mlx-lm's `maybe_quantize_kv_cache`, except sliding
-    windows, which mlx-lm cannot quantize either and which raise here.
+    A RotatingKV (sliding window) becomes a QuantizedRotatingKV with the same codec (mlx-lm
+    has no quantized window). A ModelState or ListState is mapped over: its DenseKV and
+    RotatingKV layers are quantized and every other kind is left as it is, like mlx-lm's
+    `maybe_quantize_kv_cache` (which refuses windows), so a Gemma-style state (sliding and
+    global layers) is quantized whole.
     """
     spec = {
         "key_bits": bits if key_bits is None else key_bits,
@@ -352,11 +356,13 @@ def quantize(
     )
     if isinstance(state, DenseKV):
         return _quantize_dense(state, empty)
+    if isinstance(state, RotatingKV):
+        return _quantize_window(state, empty)
     if not isinstance(state, Composite):
         # Another kind of state is well-formed: quantize does not do it (NotSupportedError).
         raise (NotSupportedError if isinstance(state, State) else StateError)(
-            f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
-            f"{type(state).__name__}"
+            f"quantize: expected a DenseKV or RotatingKV (or a ModelState / ListState holding "
+            f"some); got a {type(state).__name__}"
         )
     return _quantize_layers(state, empty)
 
@@ -366,13 +372,15 @@ def _quantize_layers(state: Any, empty: QuantizedKV) -> Any:
         return with_parts(state, tuple(_quantize_layers(s, empty) for s in state.parts))
     if isinstance(state, DenseKV):
         return _quantize_dense(state, empty)
-    require(
-        not isinstance(state, RotatingKV),
-        ConfigMismatchError,
-        "quantize: a RotatingKV (sliding window) cannot be quantized (mlx-lm has no "
-        "quantized rotating cache either); quantize only the DenseKV layers",
-    )
+    if isinstance(state, RotatingKV):
+        return _quantize_window(state, empty)
     return state
+
+
+def _quantize_window(state: RotatingKV, empty: QuantizedKV) -> Any:
+    from ._quantized_rotating import quantize_window  # that module imports this one
+
+    return quantize_window(state, empty)
 
 
 def _quantize_dense(state: DenseKV, empty: QuantizedKV) -> QuantizedKV:

@@ -4,6 +4,7 @@ rotations, and which states mlx-lm's QuantizedKVCache can hold as they are."""
 
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._quantized import BITS, GROUP_SIZES, is_mlx_lm_form, key_codec, value_codec, with_pads
+from ._quantized_rotating import dequantized, joined, lanes
 from ._rotations import ROTATIONS, rotation_matrix, rotation_numpy
 
 __all__ = [
@@ -13,8 +14,11 @@ __all__ = [
     "Codec",
     "Quantized",
     "channel_pad",
+    "dequantized",
     "is_mlx_lm_form",
+    "joined",
     "key_codec",
+    "lanes",
     "packed_width",
     "rotation_matrix",
     "rotation_numpy",

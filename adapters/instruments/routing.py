@@ -25,6 +25,7 @@ import mlx.nn as nn
 from kvstate import NotSupportedError
 
 from ..caches.quantized_cache import QuantizedStateCache
+from ..caches.quantized_rotating import QuantizedRotatingCache
 from ..caches.walk import leaves
 from .swap import reading, subclass, swapped, with_body
 
@@ -45,7 +46,16 @@ def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, m
     return cache.attend(queries, scale, mask)
 
 
+def _quantized_window(queries: Any, keys: Any, values: Any, cache: Any, scale: float,
+                      mask: Any, sinks: Any) -> Any:  # fmt: skip
+    if sinks is not None:
+        raise NotSupportedError("kvstate's quantized attention does not support attention sinks")
+    return cache.attend(queries, keys, values, scale, mask)
+
+
 ROUTES[QuantizedStateCache] = _quantized
+ROUTES[QuantizedRotatingCache] = _quantized_window
+_NEEDS_ROUTING = (QuantizedStateCache, QuantizedRotatingCache)
 
 
 def routed_function(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,10 +134,11 @@ def attention_routed(model: nn.Module) -> swapped:
 
 
 def needs_routing(model: nn.Module, caches: list[Any]) -> bool:
-    """Whether `caches` hold a QuantizedStateCache and `model` is not routed yet."""
+    """Whether `caches` hold a QuantizedStateCache or QuantizedRotatingCache and `model` is
+    not routed yet."""
     if getattr(model, _ROUTED, False):
         return False
     for c in leaves(caches):  # noqa: SIM110  (a loop, not any(): this runs every verify)
-        if isinstance(c, QuantizedStateCache):
+        if isinstance(c, _NEEDS_ROUTING):
             return True
     return False
