@@ -143,10 +143,11 @@ def lanes(state: QuantizedRotatingKV) -> tuple[RotatingKV, RotatingKV, RotatingK
 def joined(codec: dict[str, Any], windows: Sequence[RotatingKV]) -> QuantizedRotatingKV:
     """Three lanes (one RotatingKV result per lane, of one bookkeeping) as one state."""
     w = windows[0]
-    keys = values = None
+    keys: Quantized | None = None
+    values: Quantized | None = None
     if w.keys is not None:
-        keys = (windows[0].keys, windows[1].keys, windows[2].keys)
-        values = (windows[0].values, windows[1].values, windows[2].values)
+        keys = (windows[0].keys, windows[1].keys, windows[2].keys)  # type: ignore[assignment]
+        values = (windows[0].values, windows[1].values, windows[2].values)  # type: ignore[assignment]
     previous = None
     if w.previous is not None:
         previous = joined(codec, [x.previous for x in windows])  # type: ignore[misc]
