@@ -26,7 +26,8 @@ from ._errors import (
 )
 from ._io import load, save
 from ._pooled import PooledKV
-from ._quantized import QuantizedKV, packed_width, quantize
+from ._quantize import quantize
+from ._quantized import QuantizedKV, packed_width
 from ._quantized_attention import quantized_attention
 from ._quantized_rotating import QuantizedRotatingKV
 from ._recurrent import RecurrentState
