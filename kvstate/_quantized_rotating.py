@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import ConfigMismatchError, require
+from ._errors import CommitError, ConfigMismatchError, require
 from ._quant_codec import Codec, Quantized, channel_pad
 from ._quantized import BITS, GROUP_SIZES, _triple_problems
 from ._rotating import RotatingKV, _can_roll_back
@@ -320,7 +320,10 @@ def _(state: QuantizedRotatingKV, before: QuantizedRotatingKV, n: int) -> Quanti
 def _(state: QuantizedRotatingKV, counts: tuple[int, ...], checkpoints: Any) -> Any:
     if all(c == state.appended for c in counts):  # every decode step: no lanes needed
         return replace(state, previous=None, appended=0)
-    return _per_lane(codec_of(state), [state], lambda w: commit_rows(w, counts, None))
+    try:
+        return _per_lane(codec_of(state), [state], lambda w: commit_rows(w, counts, None))
+    except CommitError as e:  # the lanes' RotatingKV errors, named for this kind
+        raise CommitError(str(e).replace("RotatingKV", "QuantizedRotatingKV")) from None
 
 
 @take_rows.register
