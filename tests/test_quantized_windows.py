@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import kvstate as ks
+import kvstate.testing
 from kvstate.adapters import from_mlx_lm, to_mlx_lm, wrap
 from kvstate.adapters.caches.quantized_rotating import QuantizedRotatingCache
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
@@ -215,3 +216,26 @@ def test_n_gram_speculation_on_every_layer_quantized_is_its_own_greedy(model):
             drafted += t.from_draft
     assert spec_tokens == plain_tokens
     assert drafted > 0, "the n-gram drafter should have had drafts accepted"
+
+
+def test_a_whole_quantized_gemma_state_saves_loads_and_splits_into_rows(model, tmp_path):
+    """save/load of a merged, wrapped, every-layer-quantized state gives it back bit for bit;
+    extract / row_select / tile rows of it decode as the row served alone."""
+    options = OPTIONS["K5/V4 so4"]
+    m = wrap(model)
+    prompts = [ids(15, 11), ids(16, 6)]
+    alone = [m(mx.array([p]), quantized_state(m, options))[1] for p in prompts]
+    state = ks.merge(alone)
+    path = tmp_path / "gemma.safetensors"
+    ks.save(path, state)
+    loaded = ks.load(path)
+    ks.testing.assert_states_equal(ks.eval(loaded), ks.eval(state))
+    token = [[ids(17, 1)[0]]]
+    want = [np.array(m(mx.array(token), s)[0]) for s in alone]
+    for r in range(2):
+        for part in (ks.extract(loaded, r), ks.row_select(loaded, r)):
+            got = np.array(m(mx.array(token), part)[0])
+            np.testing.assert_allclose(got, want[r], atol=ATOL, rtol=ATOL)
+    tiled = m(mx.array(token * 4), ks.tile(loaded, 2))[0]
+    for r in range(4):
+        np.testing.assert_allclose(np.array(tiled[r : r + 1]), want[r // 2], atol=ATOL, rtol=ATOL)
