@@ -42,8 +42,6 @@ from .kinds import (
     extend_states,
     extract_row,
     fit_config_of,
-    gather_path,
-    keep_path,
     merge_states,
     problems,
     record_forward,
@@ -345,21 +343,6 @@ def _(a: QuantizedRotatingKV, b: QuantizedRotatingKV) -> QuantizedRotatingKV:
 @extract_row.register
 def _(state: QuantizedRotatingKV, row: int) -> QuantizedRotatingKV:
     return _per_lane(codec_of(state), [state], lambda w: extract_row(w, row))
-
-
-@gather_path.register
-def _(state: QuantizedRotatingKV, positions: tuple[int, ...]) -> Any:
-    found = [gather_path(w, positions) for w in lanes(state)]
-    return None if found[0] is None else tuple(found)
-
-
-@keep_path.register
-def _(
-    state: QuantizedRotatingKV, positions: tuple[int, ...], checkpoints: Any, gathered: Any
-) -> QuantizedRotatingKV:
-    moved = gathered if gathered is not None else (None, None, None)
-    kept = [keep_path(w, positions, None, g) for w, g in zip(lanes(state), moved, strict=True)]
-    return joined(codec_of(state), kept)
 
 
 # ---------------------------------------------------------------------------- quantize
