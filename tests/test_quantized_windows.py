@@ -239,3 +239,24 @@ def test_a_whole_quantized_gemma_state_saves_loads_and_splits_into_rows(model, t
     tiled = m(mx.array(token * 4), ks.tile(loaded, 2))[0]
     for r in range(4):
         np.testing.assert_allclose(np.array(tiled[r : r + 1]), want[r // 2], atol=ATOL, rtol=ATOL)
+
+
+def test_a_right_padded_prompt_batch_is_each_row_alone(model):
+    """wrap(..., lengths=) on a batched empty quantized window (mlx-lm's prepare / finalize on
+    every lane): the prompt's last logits and the next step's are those of each row served
+    alone, which the tests above check against mlx-lm."""
+    options = OPTIONS["K4/V3 hadamard"]
+    m = wrap(model)
+    prompts = [ids(18, 12), ids(19, 7)]
+    tokens = mx.array([prompts[0], prompts[1] + [0] * 5])
+    logits, state = m(tokens, quantized_state(m, options, batch=2), lengths=[12, 7])
+    assert state.layers[0].left_padding.tolist() == [0, 5]
+    step = [[ids(20, 1)[0]], [ids(21, 1)[0]]]
+    after, _ = m(mx.array(step), state)
+    for r, p in enumerate(prompts):
+        last, alone = m(mx.array([p]), quantized_state(m, options))
+        np.testing.assert_allclose(
+            np.array(logits[r, len(p) - 1]), np.array(last[0, -1]), atol=ATOL, rtol=ATOL
+        )
+        want, _ = m(mx.array([step[r]]), alone)
+        np.testing.assert_allclose(np.array(after[r : r + 1]), np.array(want), atol=ATOL, rtol=ATOL)
