@@ -15,7 +15,9 @@ layouts and its exact rollback across a wrap, and `dequantized(T(q)) == T(dequan
 for every transform T (the property tests check it).
 
 Attention reads the packed window through kvstate's `quantized_attention` (the adapters'
-`QuantizedRotatingCache`): no dequantized copy of the window is made.
+`QuantizedRotatingCache`): no dequantized copy of the window is made. Like QuantizedKV it
+keeps no tree path (no `keep_path`: tree forwards refuse quantized caches); verify linearly
+or as a batch of paths.
 """
 
 from __future__ import annotations
