@@ -10,12 +10,18 @@ prompt. Part 3: decode-step time of the wrapped model with asymmetric states aga
 QuantizedKVCache at equal memory (K5/V3 vs 4 bits, K8/V4 vs 6, K4/V2 vs 3: the same bits per
 key+value pair, same scales), interleaved, with the paired ratio (float32: the CPU has no
 fast float16).
+Part 2b (`windows`): the same on a random-init gemma3_text (float16, head_dim 256 as Gemma 3
+270M, 5 sliding layers of window 64 to each global one, a 256-token prompt: every ring has
+wrapped), the 48 follow-up tokens decoded one at a time (each ring slot rewritten in place),
+with only the global layers quantized (all kvstate could do before QuantizedRotatingKV, and
+more than mlx-lm can: it refuses the model) against every layer quantized, and the state's
+bytes after the prompt.
 Part 1b (`turboquant`, also run with `quality`): mlx-vlm's TurboQuantKVCache at integer (MSE)
 and x.5 (Split) bits and HybridQuantKVCache on the same data, each error computed from
 kvstate's TurboQuantKV and from mlx-vlm's own cache side by side.
 
     python benchmarks/quantized_quality.py [--context 1024] [--steps 24] [--reps 5]
-        [--parts quality,turboquant,model,kernels,decode]
+        [--parts quality,turboquant,model,windows,kernels,decode]
 """
 
 from __future__ import annotations
@@ -205,6 +211,69 @@ def model_rows() -> None:
         print(f"| {name} | {kl:.5f} | {top1:.3f} |", flush=True)
 
 
+WINDOW_METHODS = [m for m in METHODS if m[0] != "hadamard K2/V2 g32"]
+
+
+def _only_dense(state: Any, options: dict[str, Any]) -> Any:
+    layers = tuple(
+        ks.quantize(p, **options) if isinstance(p, ks.DenseKV) else p for p in state.layers
+    )
+    return ks.kinds.with_parts(state, layers)
+
+
+def window_rows() -> None:
+    model = tiny_model(
+        "gemma3_text",
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_hidden_layers=6,
+        sliding_window=64,
+        sliding_window_pattern=6,
+        dtype=mx.float16,
+        scale=2.0,
+    )
+    m = wrap(model)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 256, 256).tolist()
+    follow = rng.integers(0, 256, 48).tolist()
+    _, fp = m(mx.array([prompt]), m.init_state())
+    kinds = sorted({type(p).__name__ for p in fp.layers})
+
+    def decode(state: Any) -> mx.array:
+        out = []
+        for t in follow:
+            logits, state = m(mx.array([[t]]), state)
+            out.append(logits[0, -1].astype(mx.float32))
+        return mx.stack(out)
+
+    ref = decode(fp)
+    p = mx.softmax(ref, axis=-1)
+
+    def scores(state: Any) -> tuple[float, float]:
+        x = decode(state)
+        log_q = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        kl = mx.sum(p * (mx.log(p + 1e-30) - log_q), axis=-1).mean().item()
+        top1 = (x.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
+        return kl, top1
+
+    print(f"\ngemma3_text (random init, {kinds}), fp16 state after the prompt: "
+          f"{ks.nbytes(fp)} bytes")  # fmt: skip
+    print("\n| method | layers quantized | state bytes | next-token KL (fp16 -> method) "
+          "| top-1 agreement |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for name, options in WINDOW_METHODS:
+        for label, state in (
+            ("global only (windows fp16)", _only_dense(fp, options)),
+            ("all (windows: QuantizedRotatingKV)", ks.quantize(fp, **options)),
+        ):
+            kl, top1 = scores(state)
+            print(f"| {name} | {label} | {ks.nbytes(state)} | {kl:.5f} | {top1:.3f} |",
+                  flush=True)  # fmt: skip
+
+
 PAIRS = [  # (kvstate's asymmetric options, mlx-lm's bits): the same bits per key+value pair
     # K4/V4 through kvstate's attention (a batch of one with left padding): its overhead alone
     ({"key_bits": 4, "value_bits": 4, "left_padded": 1}, 4),
@@ -322,6 +391,8 @@ def main() -> None:
         turboquant_rows()
     if "model" in parts:
         model_rows()
+    if "windows" in parts:
+        window_rows()
     if "kernels" in parts:
         kernel_rows(args.context)
     if "decode" in parts:

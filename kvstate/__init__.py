@@ -26,8 +26,10 @@ from ._errors import (
 )
 from ._io import load, save
 from ._pooled import PooledKV
-from ._quantized import QuantizedKV, packed_width, quantize
+from ._quantize import quantize
+from ._quantized import QuantizedKV, packed_width
 from ._quantized_attention import quantized_attention
+from ._quantized_rotating import QuantizedRotatingKV
 from ._recurrent import RecurrentState
 from ._rotating import RotatingKV
 from ._static_prefix import StaticPrefixKV
@@ -65,6 +67,7 @@ __all__ = [
     "PlacementError",
     "PooledKV",
     "QuantizedKV",
+    "QuantizedRotatingKV",
     "RecurrentState",
     "RotatingKV",
     "RowError",

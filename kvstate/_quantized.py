@@ -1,6 +1,6 @@
 """QuantizedKV: quantized keys and values, each side with its own bits, group size and
-zero-channel pad, an optional seeded rotation, and left padding; and `quantize` (a DenseKV ->
-a QuantizedKV).
+zero-channel pad, an optional seeded rotation, and left padding (`kvstate.quantize` makes
+one of a DenseKV: `_quantize`).
 
 Each of keys / values is an `mx.quantize` triple of the side's rotated, padded rows (see
 `_quant_codec.Codec`): packed uint32 (B, H, T, (D+pad)*bits//32), scales and biases
@@ -20,26 +20,22 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import DenseKV, commit_ragged, used
-from ._errors import ConfigMismatchError, NotSupportedError, StateError, require
+from ._dense import commit_ragged, used
 from ._padded_rows import Layout
 from ._padded_rows import register as register_padded_rows
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
-from ._rotating import RotatingKV
 from ._rotations import ROTATIONS, rotation_problems
 from ._shared import kv_config
 from ._tree import State, replace
 from ._validation import (
     array_problems,
     ints_within,
-    is_int,
     rows_problems,
     static_int,
     typed_statics,
 )
 from .kinds import (
     Capabilities,
-    Composite,
     batch_size_of,
     commit_rows,
     config_of,
@@ -47,7 +43,6 @@ from .kinds import (
     state_class,
     static_field,
     take_rows,
-    with_parts,
 )
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -104,11 +99,13 @@ class QuantizedKV(State):
         return upgraded, {**children, "left_padding": None}
 
 
-def key_codec(state: QuantizedKV) -> Codec:
+def key_codec(state: Any) -> Codec:
+    """The key side's codec of a QuantizedKV (or QuantizedRotatingKV)."""
     return Codec(state.key_bits, state.key_group_size, state.key_pad, state.rotation, state.seed)
 
 
-def value_codec(state: QuantizedKV) -> Codec:
+def value_codec(state: Any) -> Codec:
+    """The value side's codec of a QuantizedKV (or QuantizedRotatingKV)."""
     return Codec(
         state.value_bits, state.value_group_size, state.value_pad, state.rotation, state.seed
     )
@@ -295,101 +292,7 @@ def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
 register_padded_rows(QuantizedKV, _LAYOUT)
 
 
-# ---------------------------------------------------------------------------- quantize
-
-
-def quantize(
-    state: Any,
-    bits: int = 8,
-    group_size: int = 64,
-    *,
-    key_bits: int | None = None,
-    value_bits: int | None = None,
-    key_group_size: int | None = None,
-    value_group_size: int | None = None,
-    rotation: str = "none",
-    seed: int = 0,
-) -> Any:
-    """A DenseKV as a QuantizedKV, like mlx-lm's `KVCache.to_quantized` when keys and values
-    share `bits` / `group_size` and there is no rotation (then the arrays are identical).
-
-    `key_bits` / `value_bits` / `key_group_size` / `value_group_size` override `bits` /
-    `group_size` for one side. `rotation` ("none", "so4", "hadamard") with `seed` rotates
-    head vectors before quantizing (see `kvstate._rotations`). Head dims that are not a
-    multiple of a side's group size are zero-padded up to one (stored 80 -> 96 at group 32).
-    Only the `length` used positions are quantized; left padding and `appended` carry over.
-
-    A ModelState or ListState is mapped over: its DenseKV layers are quantized and every
-    other kind is left as it is, like mlx-lm's `maybe_quantize_kv_cache`, except sliding
-    windows, which mlx-lm cannot quantize either and which raise here.
-    """
-    spec = {
-        "key_bits": bits if key_bits is None else key_bits,
-        "value_bits": bits if value_bits is None else value_bits,
-        "key_group_size": group_size if key_group_size is None else key_group_size,
-        "value_group_size": group_size if value_group_size is None else value_group_size,
-    }
-    for name, value in spec.items():
-        allowed = BITS if name.endswith("bits") else GROUP_SIZES
-        require(
-            is_int(value) and value in allowed,
-            ConfigMismatchError,
-            f"quantize: {name}={value!r} is not supported; use an int in {list(allowed)}",
-        )
-    require(
-        rotation in ROTATIONS and is_int(seed),
-        ConfigMismatchError,
-        f"quantize: rotation={rotation!r}, seed={seed!r}; use a rotation in {list(ROTATIONS)} "
-        "and an int seed",
-    )
-    empty = QuantizedKV(
-        key_bits=int(spec["key_bits"]),
-        value_bits=int(spec["value_bits"]),
-        key_group_size=int(spec["key_group_size"]),
-        value_group_size=int(spec["value_group_size"]),
-        rotation=rotation,
-        seed=int(seed),
-    )
-    if isinstance(state, DenseKV):
-        return _quantize_dense(state, empty)
-    if not isinstance(state, Composite):
-        # Another kind of state is well-formed: quantize does not do it (NotSupportedError).
-        raise (NotSupportedError if isinstance(state, State) else StateError)(
-            f"quantize: expected a DenseKV (or a ModelState / ListState holding some); got a "
-            f"{type(state).__name__}"
-        )
-    return _quantize_layers(state, empty)
-
-
-def _quantize_layers(state: Any, empty: QuantizedKV) -> Any:
-    if isinstance(state, Composite):
-        return with_parts(state, tuple(_quantize_layers(s, empty) for s in state.parts))
-    if isinstance(state, DenseKV):
-        return _quantize_dense(state, empty)
-    require(
-        not isinstance(state, RotatingKV),
-        ConfigMismatchError,
-        "quantize: a RotatingKV (sliding window) cannot be quantized (mlx-lm has no "
-        "quantized rotating cache either); quantize only the DenseKV layers",
-    )
-    return state
-
-
-def _quantize_dense(state: DenseKV, empty: QuantizedKV) -> QuantizedKV:
-    if state.keys is None or state.values is None:
-        return replace(
-            empty, left_padding=state.left_padding, length=state.length, appended=state.appended
-        )
-    # Stored widths are whole groups (multiples of 32), so every rotation applies.
-    spec = with_pads(empty, int(state.keys.shape[-1]), int(state.values.shape[-1]))
-    return replace(
-        spec,
-        keys=key_codec(spec).encode(used(state.keys, state.length)),
-        values=value_codec(spec).encode(used(state.values, state.length)),
-        left_padding=state.left_padding,
-        length=state.length,
-        appended=state.appended,
-    )
+# ---------------------------------------------------------------------------- pads
 
 
 def with_pads(state: QuantizedKV, key_dim: int, value_dim: int) -> QuantizedKV:
@@ -401,4 +304,4 @@ def with_pads(state: QuantizedKV, key_dim: int, value_dim: int) -> QuantizedKV:
     )
 
 
-__all__ = ["BITS", "GROUP_SIZES", "QuantizedKV", "packed_width", "quantize"]
+__all__ = ["BITS", "GROUP_SIZES", "QuantizedKV", "packed_width"]

@@ -1,9 +1,13 @@
 """The pieces of a QuantizedKV, for code that writes into one or reads it (adapters,
 benchmarks, your own attention): each side's `Codec` (pad, rotate, quantize and back), the
-rotations, and which states mlx-lm's QuantizedKVCache can hold as they are."""
+rotations, and which states mlx-lm's QuantizedKVCache can hold as they are. For quantized
+sliding windows (QuantizedRotatingKV): `lanes` (the state as three RotatingKV windows of
+packed words, scales and biases) and `joined` (three lanes back as one state), and
+`dequantized` (the RotatingKV of its dequantized values, slot for slot)."""
 
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._quantized import BITS, GROUP_SIZES, is_mlx_lm_form, key_codec, value_codec, with_pads
+from ._quantized_rotating import dequantized, joined, lanes
 from ._rotations import ROTATIONS, rotation_matrix, rotation_numpy
 
 __all__ = [
@@ -13,8 +17,11 @@ __all__ = [
     "Codec",
     "Quantized",
     "channel_pad",
+    "dequantized",
     "is_mlx_lm_form",
+    "joined",
     "key_codec",
+    "lanes",
     "packed_width",
     "rotation_matrix",
     "rotation_numpy",

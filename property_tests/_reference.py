@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ChunkedKVCache
 import kvstate as ks
 from kvstate.adapters import from_mlx_lm, to_mlx_lm
 from kvstate.kinds import record_forward
+from kvstate.quantization import lanes
 from kvstate.testing import assert_states_equal, frozen_copy
 
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16}
@@ -232,6 +233,10 @@ def meaning(state: Any, *, history: bool = True) -> list[Any]:
         ]
     if isinstance(state, ks.RotatingKV):
         return _rotating_meaning(state, batch, history)
+    if isinstance(state, ks.QuantizedRotatingKV):
+        # Three windows of one bookkeeping: the packed words, scales and biases.
+        per_lane = [_rotating_meaning(w, batch, history) for w in lanes(state)]
+        return [("quantized window", *(p[r] for p in per_lane)) for r in range(batch)]
     if isinstance(state, ks.PooledKV):
         return _pooled_meaning(state, batch, history)
     if isinstance(state, (ks.BufferedWindowKV, ks.StaticPrefixKV)):

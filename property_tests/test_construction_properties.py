@@ -35,7 +35,7 @@ def capacity_statics(state: Any) -> tuple[str, ...]:
     name = type(state).__name__
     if name in ("DenseKV", "QuantizedKV", "TurboQuantKV"):
         return ("length", "appended")
-    if name == "RotatingKV":
+    if name in ("RotatingKV", "QuantizedRotatingKV"):
         return ("index", "appended")
     if name in ("ChunkedKV", "BufferedWindowKV", "StaticPrefixKV"):
         return ("offset", "appended")

@@ -77,7 +77,7 @@ def takes_rows(state: Any) -> bool:
     def one(p: Any) -> bool:
         if isinstance(p, (ks.ChunkedKV, ks.BufferedWindowKV, ks.StaticPrefixKV)):
             return p.keys is not None
-        if isinstance(p, ks.RotatingKV):
+        if isinstance(p, (ks.RotatingKV, ks.QuantizedRotatingKV)):
             return not (p.keep and p.keys is None)
         return True
 
@@ -88,7 +88,8 @@ def batches(state: Any) -> bool:
     """merge / extend accept it (with a copy of itself): rows to batch, no `keep` prefix
     (a window with one has no batched form: it is not `batchable`)."""
     keep = any(
-        isinstance(p, ks.RotatingKV) and not ks.capabilities(p).batchable for p in parts(state)
+        isinstance(p, (ks.RotatingKV, ks.QuantizedRotatingKV)) and not ks.capabilities(p).batchable
+        for p in parts(state)
     )
     return takes_rows(state) and not keep
 

@@ -154,15 +154,15 @@ def test_kv_bits_under_speculation_quantize_the_target_alike() -> None:
             assert plain[0] == oracle(model, PROMPT, 10, **options)[0]
 
 
-def test_kv_bits_quantizes_the_dense_layers_and_keeps_windows() -> None:
-    """A model with sliding windows (which mlx-lm cannot quantize): its dense layers are
-    quantized, its windows kept; the states a generation keeps show it."""
+def test_kv_bits_quantizes_the_dense_layers_and_the_windows() -> None:
+    """A model with sliding windows (which mlx-lm cannot quantize): its dense layers become
+    QuantizedKV and its windows QuantizedRotatingKV; the states a generation keeps show it."""
     m = wrap(tiny_model("gemma3_text", head_dim=32))
     g = generate(m, PROMPT, max_tokens=4, kv_bits=8, kv_group_size=32, quantized_kv_start=0,
                  keep_states=True)  # fmt: skip
     list(g)
     kinds = {type(layer).__name__ for layer in g.states[0].layers}
-    assert kinds == {"QuantizedKV", "RotatingKV"}
+    assert kinds == {"QuantizedKV", "QuantizedRotatingKV"}
 
 
 # --------------------------------------------------------------------------- min_p

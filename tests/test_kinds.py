@@ -25,6 +25,7 @@ def test_the_library_registers_its_kinds():
     assert names == {
         "DenseKV", "RotatingKV", "ChunkedKV", "QuantizedKV", "RecurrentState",
         "ListState", "ModelState", "TurboQuantKV", "PooledKV", "BufferedWindowKV", "StaticPrefixKV",
+        "QuantizedRotatingKV",
     }  # fmt: skip
     assert {k.__name__ for k in kinds.layer_kinds()} >= names - {"ListState", "ModelState"}
 

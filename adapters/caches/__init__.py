@@ -4,6 +4,7 @@
     walk            the one walk over a model's caches (cache lists' parts in place)
     compat          upstream fixes and the refusals of caches caught mid-forward
     dense rotating recurrent chunked quantized quantized_cache   one kind each (mlx-lm's classes)
+    quantized_rotating   kvstate's own cache of a quantized sliding window
     vlm_only        kinds only mlx-vlm has caches for
     vlm/            mlx-vlm's classes (imports mlx_vlm; loaded when one of its caches arrives)
     convert         from_mlx_lm / to_mlx_lm
@@ -13,7 +14,15 @@ registers here too (examples/custom_kind.py): `register_from(CacheClass)` for ca
 `to_cache.register` for state -> cache, `fresh` for the arrays on either side.
 """
 
-from . import chunked, dense, quantized, recurrent, rotating, vlm_only  # noqa: F401
+from . import (  # noqa: F401
+    chunked,
+    dense,
+    quantized,
+    quantized_rotating,
+    recurrent,
+    rotating,
+    vlm_only,
+)
 from .convert import from_mlx_lm, to_mlx_lm
 from .registry import fresh, register_from, to_cache
 

@@ -25,6 +25,7 @@ import mlx.nn as nn
 from kvstate import NotSupportedError
 
 from ..caches.quantized_cache import QuantizedStateCache
+from ..caches.quantized_rotating import QuantizedRotatingCache
 from ..caches.walk import leaves
 from .swap import reading, subclass, swapped, with_body
 
@@ -48,8 +49,16 @@ def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, m
     return cache.attend(queries, scale, mask)
 
 
+def _quantized_window(queries: Any, keys: Any, values: Any, cache: Any, scale: float,
+                      mask: Any, sinks: Any) -> Any:  # fmt: skip
+    if sinks is not None:
+        raise NotSupportedError("kvstate's quantized attention does not support attention sinks")
+    return cache.attend(queries, keys, values, scale, mask)
+
+
 ROUTES[QuantizedStateCache] = _quantized
-ROUTED_FOR_GOOD.add(QuantizedStateCache)
+ROUTES[QuantizedRotatingCache] = _quantized_window
+ROUTED_FOR_GOOD.update((QuantizedStateCache, QuantizedRotatingCache))
 
 
 def routed_function(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -128,9 +137,9 @@ def attention_routed(model: nn.Module) -> swapped:
 
 
 def needs_routing(model: nn.Module, caches: list[Any]) -> bool:
-    """Whether `caches` hold a cache routed for good (a QuantizedStateCache, mlx-vlm's
-    TurboQuant caches) and `model` is not routed yet (mlx-vlm's language step is never: its
-    models read their own caches)."""
+    """Whether `caches` hold a cache routed for good (a QuantizedStateCache, a
+    QuantizedRotatingCache, mlx-vlm's TurboQuant caches) and `model` is not routed yet
+    (mlx-vlm's language step never is: its models read their own caches)."""
     if getattr(model, _ROUTED, False) or not isinstance(model, nn.Module):
         return False
     for c in leaves(caches):  # noqa: SIM110  (a loop, not any(): this runs every verify)

@@ -35,6 +35,7 @@ A new kind registers its strategy with `strategy_for(Kind)`; `layer_states` then
 
 from ._assertions import assert_states_allclose, assert_states_equal, frozen_copy
 from ._pooled_strategy import pooled_kv_states
+from ._quantized_window_strategy import quantized_rotating_kv_states
 from ._strategies import (
     DTYPES,
     QUANT_BITS,
@@ -79,6 +80,7 @@ __all__ = [
     "model_states",
     "pooled_kv_states",
     "quantized_kv_states",
+    "quantized_rotating_kv_states",
     "recurrent_checkpoints",
     "recurrent_states",
     "rotating_kv_states",

@@ -1,0 +1,117 @@
+"""`quantize`: DenseKV layers -> QuantizedKV, RotatingKV layers (sliding windows) ->
+QuantizedRotatingKV, one codec for both (each side's bits and group size, a rotation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dense import DenseKV, used
+from ._errors import ConfigMismatchError, NotSupportedError, StateError, require
+from ._quantized import BITS, GROUP_SIZES, QuantizedKV, key_codec, value_codec, with_pads
+from ._quantized_rotating import quantize_window
+from ._rotating import RotatingKV
+from ._rotations import ROTATIONS
+from ._tree import State, replace
+from ._validation import is_int
+from .kinds import Composite, with_parts
+
+
+def quantize(
+    state: Any,
+    bits: int = 8,
+    group_size: int = 64,
+    *,
+    key_bits: int | None = None,
+    value_bits: int | None = None,
+    key_group_size: int | None = None,
+    value_group_size: int | None = None,
+    rotation: str = "none",
+    seed: int = 0,
+) -> Any:
+    """A DenseKV as a QuantizedKV, like mlx-lm's `KVCache.to_quantized` when keys and values
+    share `bits` / `group_size` and there is no rotation (then the arrays are identical).
+
+    `key_bits` / `value_bits` / `key_group_size` / `value_group_size` override `bits` /
+    `group_size` for one side. `rotation` ("none", "so4", "hadamard") with `seed` rotates
+    head vectors before quantizing (see `kvstate._rotations`). Head dims that are not a
+    multiple of a side's group size are zero-padded up to one (stored 80 -> 96 at group 32).
+    Only the `length` used positions are quantized; left padding and `appended` carry over.
+
+    A RotatingKV (sliding window) becomes a QuantizedRotatingKV with the same codec (mlx-lm
+    has no quantized window). A ModelState or ListState is mapped over: its DenseKV and
+    RotatingKV layers are quantized and every other kind is left as it is, like mlx-lm's
+    `maybe_quantize_kv_cache` (which refuses windows), so a Gemma-style state (sliding and
+    global layers) is quantized whole.
+    """
+    spec = {
+        "key_bits": bits if key_bits is None else key_bits,
+        "value_bits": bits if value_bits is None else value_bits,
+        "key_group_size": group_size if key_group_size is None else key_group_size,
+        "value_group_size": group_size if value_group_size is None else value_group_size,
+    }
+    for name, value in spec.items():
+        allowed = BITS if name.endswith("bits") else GROUP_SIZES
+        require(
+            is_int(value) and value in allowed,
+            ConfigMismatchError,
+            f"quantize: {name}={value!r} is not supported; use an int in {list(allowed)}",
+        )
+    require(
+        rotation in ROTATIONS and is_int(seed),
+        ConfigMismatchError,
+        f"quantize: rotation={rotation!r}, seed={seed!r}; use a rotation in {list(ROTATIONS)} "
+        "and an int seed",
+    )
+    empty = QuantizedKV(
+        key_bits=int(spec["key_bits"]),
+        value_bits=int(spec["value_bits"]),
+        key_group_size=int(spec["key_group_size"]),
+        value_group_size=int(spec["value_group_size"]),
+        rotation=rotation,
+        seed=int(seed),
+    )
+    if isinstance(state, DenseKV):
+        return _quantize_dense(state, empty)
+    if isinstance(state, RotatingKV):
+        return _quantize_window(state, empty)
+    if not isinstance(state, Composite):
+        # Another kind of state is well-formed: quantize does not do it (NotSupportedError).
+        raise (NotSupportedError if isinstance(state, State) else StateError)(
+            f"quantize: expected a DenseKV or RotatingKV (or a ModelState / ListState holding "
+            f"some); got a {type(state).__name__}"
+        )
+    return _quantize_layers(state, empty)
+
+
+def _quantize_layers(state: Any, empty: QuantizedKV) -> Any:
+    if isinstance(state, Composite):
+        return with_parts(state, tuple(_quantize_layers(s, empty) for s in state.parts))
+    if isinstance(state, DenseKV):
+        return _quantize_dense(state, empty)
+    if isinstance(state, RotatingKV):
+        return _quantize_window(state, empty)
+    return state
+
+
+def _quantize_window(state: RotatingKV, empty: QuantizedKV) -> Any:
+    return quantize_window(state, empty)
+
+
+def _quantize_dense(state: DenseKV, empty: QuantizedKV) -> QuantizedKV:
+    if state.keys is None or state.values is None:
+        return replace(
+            empty, left_padding=state.left_padding, length=state.length, appended=state.appended
+        )
+    # Stored widths are whole groups (multiples of 32), so every rotation applies.
+    spec = with_pads(empty, int(state.keys.shape[-1]), int(state.values.shape[-1]))
+    return replace(
+        spec,
+        keys=key_codec(spec).encode(used(state.keys, state.length)),
+        values=value_codec(spec).encode(used(state.values, state.length)),
+        left_padding=state.left_padding,
+        length=state.length,
+        appended=state.appended,
+    )
+
+
+__all__ = ["quantize"]
