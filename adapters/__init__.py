@@ -7,6 +7,7 @@ mlx-vlm's caches and models: `kvstate.adapters.vlm` (imported on demand: `wrap` 
 
 from .caches import from_mlx_lm, to_mlx_lm
 from .instruments.routing import route_attention
+from .models.drafts import early_exit_draft, quantized_draft
 from .models.loading import ModelNotInstalledError, load_model, model_cache
 from .models.mtp_head import MTPHead
 from .wrapped.model import WrappedModel
@@ -17,9 +18,11 @@ __all__ = [
     "MTPHead",
     "ModelNotInstalledError",
     "WrappedModel",
+    "early_exit_draft",
     "from_mlx_lm",
     "load_model",
     "model_cache",
+    "quantized_draft",
     "route_attention",
     "to_mlx_lm",
     "wrap",

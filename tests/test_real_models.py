@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -23,9 +24,15 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import kvstate as ks
-from kvstate.adapters import ModelNotInstalledError, load_model, wrap
+from kvstate.adapters import (
+    ModelNotInstalledError,
+    early_exit_draft,
+    load_model,
+    quantized_draft,
+    wrap,
+)
 from kvstate.adapters.models import loading
-from kvstate.speculative import NGramDrafter, generate
+from kvstate.speculative import ModelDrafter, NGramDrafter, generate
 from tests.helpers import raw_logits
 
 # Code repeats itself, so prompt lookup finds drafts the models accept.
@@ -255,3 +262,45 @@ def test_a_missing_package_names_its_pip_command(monkeypatch, tmp_path):
         load_model("gemma3-270m", cache=tmp_path)
     with pytest.raises(ks.StateError, match="packaged models are"):
         load_model("no-such-model")
+
+
+DRAFTS = {
+    "4-bit copy": lambda model: quantized_draft(model, bits=4),
+    "first 6 layers": lambda model: early_exit_draft(model, 6),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DRAFTS))
+def test_self_speculation_drafts_equal_mlx_lm_greedy(gemma, kind):
+    """Drafts from the target's own checkpoint, through ModelDrafter: the tokens are
+    mlx-lm's greedy ones (the target left as it was), and the 4-bit copy is accepted."""
+    model, tokenizer = gemma
+    draft = DRAFTS[kind](model)
+    prompt = tokenizer.encode(CODE)
+    got = generate(wrap(model), [prompt], ModelDrafter(wrap(draft)), k=3, max_tokens=8)
+    assert tokens_of(got) == [reference(model, prompt, 8)]
+    assert got.drafted > 0
+    if kind == "4-bit copy":
+        assert got.accepted > 0
+        assert isinstance(draft.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+        assert not isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    else:
+        assert len(draft.layers) == 6 and len(draft.make_cache()) == 6
+
+
+def test_early_exit_of_a_quantized_target_keeps_its_quantization(smollm2):
+    model, tokenizer = smollm2
+    draft = early_exit_draft(model, 10)
+    prompt = tokenizer.encode(CODE)
+    got = generate(wrap(model), [prompt], ModelDrafter(wrap(draft)), k=3, max_tokens=6)
+    assert tokens_of(got) == [reference(model, prompt, 6)]
+    head = draft.model.embed_tokens
+    assert isinstance(head, nn.QuantizedEmbedding) and head.bits == 8  # SmolLM2's Q8_0
+
+
+def test_early_exit_refusals(gemma):
+    model, _ = gemma
+    with pytest.raises(ks.StateError, match="sliding_window_pattern"):
+        early_exit_draft(model, 3)
+    with pytest.raises(ks.StateError, match="layers must be"):
+        early_exit_draft(model, 18)
