@@ -27,7 +27,8 @@ from kvstate import StateError
 def _rebuilt(model: nn.Module, args: Any, weights: dict[str, Any]) -> nn.Module:
     """A model of `model`'s class from `args`, holding `weights`; the modules the target holds
     quantized are built quantized the same way (their packed arrays are among `weights`)."""
-    draft = type(model)(args)
+    model_class: Any = type(model)  # mlx-lm's Model(args)
+    draft: nn.Module = model_class(args)
     modules = dict(model.named_modules())
     quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
 
@@ -75,7 +76,7 @@ def early_exit_draft(model: nn.Module, layers: int) -> nn.Module:
         changes["layer_types"] = args.layer_types[:layers]
     kept = {
         name: w
-        for name, w in tree_flatten(model.parameters())
+        for name, w in dict(tree_flatten(model.parameters())).items()
         if not (name.startswith("model.layers.") and int(name.split(".")[2]) >= layers)
     }
     return _rebuilt(model, dataclasses.replace(args, **changes), kept)
