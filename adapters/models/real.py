@@ -82,12 +82,7 @@ def load_smollm2() -> tuple[nn.Module, GGUFTokenizer] | None:
 def load_gguf_llama(path: str) -> tuple[nn.Module, GGUFTokenizer]:
     """An mlx-lm llama model and its tokenizer from a llama-architecture GGUF file whose
     tensors are F32 / F16 or the quantizations mx.load keeps (Q4_0, Q4_1, Q8_0)."""
-    weights, metadata = cast(
-        tuple[dict[str, mx.array], dict[str, Any]], mx.load(path, return_metadata=True)
-    )
-    if _value(metadata, "general.architecture") != "llama":
-        raise ValueError(f"{path}: not a llama-architecture GGUF")
-    weights = {_mlx_lm_name(name): w for name, w in weights.items()}
+    weights, metadata = _read_llama(path)
     model = llama.Model(_model_args(metadata, weights))
     bits = _quantized_bits(weights)
     nn.quantize(
@@ -100,6 +95,36 @@ def load_gguf_llama(path: str) -> tuple[nn.Module, GGUFTokenizer]:
     mx.eval(model.parameters())
     model.eval()
     return model, gguf_tokenizer(metadata)
+
+
+def llama_files(path: str) -> tuple[dict[str, mx.array], dict[str, Any], GGUFTokenizer]:
+    """(weights by mlx-lm name, mlx-lm config with its per-module quantization, tokenizer) of a
+    llama GGUF file: what `kvstate.adapters.load_model` writes into its cache."""
+    weights, metadata = _read_llama(path)
+    args = _model_args(metadata, weights)
+    bits = _quantized_bits(weights)
+    default = max(set(bits.values()), key=list(bits.values()).count) if bits else None
+    config: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if v is not None and not k.startswith("_")
+    }
+    if default is not None:
+        # mlx-lm's per-module quantization: the modules that differ from the default (the
+        # Q8_0 embedding among Q4_1 matrices) named with their own bits.
+        config["quantization"] = {
+            "group_size": _GROUP_SIZE,
+            "bits": default,
+            **{p: {"group_size": _GROUP_SIZE, "bits": b} for p, b in bits.items() if b != default},
+        }
+    return weights, config, gguf_tokenizer(metadata)
+
+
+def _read_llama(path: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    weights, metadata = cast(
+        tuple[dict[str, mx.array], dict[str, Any]], mx.load(path, return_metadata=True)
+    )
+    if _value(metadata, "general.architecture") != "llama":
+        raise ValueError(f"{path}: not a llama-architecture GGUF")
+    return {_mlx_lm_name(name): w for name, w in weights.items()}, metadata
 
 
 def _mlx_lm_name(name: str) -> str:

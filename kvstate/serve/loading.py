@@ -9,7 +9,6 @@ The loaders are kvstate.adapters' and mlx-lm's; this module only picks one by th
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -41,18 +40,10 @@ def load_served_model(spec: str, *, name: str | None = None) -> ServedModel:
     `spec`). A StateError says what is wrong with `spec` and what would be accepted."""
     if spec.startswith(TINY):
         model, tokenizer = _tiny(spec[len(TINY) :])
-    elif Path(spec).expanduser().is_dir():
-        from mlx_lm.utils import load
-
-        model, tokenizer = load(str(Path(spec).expanduser()))[:2]
-    elif hasattr(kvstate.adapters, "load_model"):
-        model, tokenizer = kvstate.adapters.load_model(spec)
     else:
-        raise StateError(
-            f"--model {spec!r}: not a directory, and this kvstate has no packaged models "
-            "(kvstate.adapters.load_model); give the path of a local mlx-lm model directory "
-            "or tiny:<architecture>"
-        )
+        # A directory (mlx-lm's own load) or a packaged model's name; a StateError names the
+        # packaged models for anything else, and the pip command for a missing package.
+        model, tokenizer = kvstate.adapters.load_model(spec)
     return ServedModel(name or spec, kvstate.adapters.wrap(model), tokenizer)
 
 
