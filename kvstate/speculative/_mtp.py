@@ -26,7 +26,7 @@ from ._checks import (
     checked_rows,
     checked_sampler,
 )
-from ._drafter import Proposal
+from ._drafter import Drafted, Proposal
 from ._prefill import PREFILL_STEP
 from ._sampling import Sampler
 
@@ -167,7 +167,7 @@ class MTPDrafter:
             probs.append(q[:, None])
         drafted = mx.concatenate(tokens, axis=1)
         distributions = None if sampler.greedy else mx.concatenate(probs, axis=1)
-        return Proposal(drafted, [k] * len(last), distributions)
+        return Drafted(drafted, [k] * len(last), distributions, logits.shape[-1])
 
     def accept(self, fed: mx.array, kept: list[int], hidden: mx.array | None = None) -> None:
         """`hidden`: the target's hidden states (B, 1 + span, D) over `fed` (B, 1 + span)."""

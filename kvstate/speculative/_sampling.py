@@ -200,7 +200,23 @@ def accept(
     counts = _checked_args(target, drafts, draft_probs, counts, sampler, key)
     if sampler.greedy:
         return accept_greedy(target, drafts, counts)
-    columns = accept_columns(target, drafts, draft_probs, counts, sampler, key)
+    return sampled_verdict(target, drafts, draft_probs, counts, sampler, key)
+
+
+def sampled_verdict(
+    target: mx.array,
+    drafts: mx.array,
+    draft_probs: mx.array | None,
+    counts: list[int],
+    sampler: Sampler,
+    key: mx.array | None,
+    made: bool = False,
+) -> Verdict:
+    """`accept`'s sampled rule on arguments already checked on the host (the generator's
+    `checked_proposal`), in one read, raising for what its marks found. `made`: the drafts
+    and `draft_probs` are a kvstate drafter's (`Drafted`): ids in range and a sampler's
+    distributions, so the distributions' marks are not computed."""
+    columns = accept_columns(target, drafts, draft_probs, counts, sampler, key, made)
     rows = cast(list[list[int]], columns.tolist())
     raise_marked([r[2] for r in rows], _refusals(target, drafts, draft_probs, counts))
     return Verdict([r[0] for r in rows], [r[1] for r in rows])
@@ -213,10 +229,12 @@ def accept_columns(
     counts: list[int],
     sampler: Sampler,
     key: mx.array | None,
+    made: bool = False,
 ) -> mx.array:
     """`accept`'s rule on the device, unread: (B, 3) int32 [accepted, next token, marks],
     marks the bits of `_values` (DRAFT_ID, DRAFT_PROBS, DRAFT_UNLIKELY, TARGET_NAN) of what
-    was wrong with row b's input (0: nothing)."""
+    was wrong with row b's input (0: nothing; `made`: DRAFT_PROBS and DRAFT_UNLIKELY are not
+    computed, see `sampled_verdict`)."""
     span = drafts.shape[1]
     vocab = target.shape[-1]
     width = vocab if draft_probs is None else draft_probs.shape[-1]
@@ -236,7 +254,8 @@ def accept_columns(
         draft_probs = draft_probs[:, :span].astype(mx.float32)
         q_ids = mx.where(invalid, 0, drafts).astype(mx.int32)
         q_draft = mx.take_along_axis(draft_probs, q_ids[..., None], axis=-1)[..., 0]
-        marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
+        if not made:
+            marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
     u = uniform(p_draft.shape, keys[0])
     ok = (u * q_draft < p_draft) & counted  # u < p / q, without dividing by a zero q
     accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
