@@ -35,7 +35,7 @@ from ._checks import (
 from ._drafter import Drafted, DraftTree, Proposal
 from ._prefill import PREFILL_STEP, prefill
 from ._replay import run_kept
-from ._sampling import Sampler, draw
+from ._sampling import Sampler, draw, draw_from
 from ._target import Pick, Target
 from ._trees import tree_of_paths
 
@@ -180,7 +180,7 @@ class ModelDrafter:
             else:
                 q = sampler.probs(logits)
                 self.key, key = mx.random.split(self.key)
-                drafted = sampler.sample(q, key)[:, None]
+                drafted = draw_from(sampler, q, key)[:, None]
                 probs.append(q[:, None])
             if self.pipelined:
                 mx.async_eval(drafted)

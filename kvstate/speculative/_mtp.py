@@ -28,7 +28,7 @@ from ._checks import (
 )
 from ._drafter import Drafted, Proposal
 from ._prefill import PREFILL_STEP
-from ._sampling import Sampler
+from ._sampling import Sampler, draw_from
 
 
 class DraftHead(Protocol):
@@ -162,7 +162,7 @@ class MTPDrafter:
                 self._first_step = state
             q = sampler.probs(logits[:, -1])
             self.key, key = mx.random.split(self.key)
-            y = sampler.sample(q, key)[:, None]
+            y = draw_from(sampler, q, key)[:, None]
             tokens.append(y)
             probs.append(q[:, None])
         drafted = mx.concatenate(tokens, axis=1)

@@ -123,18 +123,40 @@ class Sampler:
 
     def sample(self, probs: mx.array, key: mx.array | None = None) -> mx.array:
         """One token per distribution of `probs` (..., vocab) (argmax when greedy). `probs`
-        must be distributions: they are not read back to check it (the acceptance rule
-        checks a drafter's). `key`: one `mx.random.key`, or row keys (B, 2), one per row of
-        `probs` (B, ..., vocab): row b then draws with its own key (`_row_keys`)."""
+        must be distributions (no NaN, none negative, each summing to 1): checked with one
+        read of a flag per distribution (a `StateError` naming the rows); the package's own
+        draws, from distributions it made, skip the check and the read (`draw_from`).
+        `key`: one `mx.random.key`, or row keys (B, 2), one per row of `probs`
+        (B, ..., vocab): row b then draws with its own key (`_row_keys`)."""
         if not isinstance(probs, mx.array):
             raise StateError(
                 f"Sampler.sample: probs must be an mx.array (..., vocab); got {type(probs).__name__}"
             )
-        if self.greedy:
-            return probs.argmax(-1).astype(mx.int32)
-        if key is not None:
+        if probs.ndim == 0 or not mx.issubdtype(probs.dtype, mx.floating):
+            raise StateError(
+                f"Sampler.sample: probs must be float distributions (..., vocab); got shape "
+                f"{tuple(probs.shape)} and dtype {probs.dtype}"
+            )
+        if key is not None and not self.greedy:
             checked_key(key, "Sampler.sample: key", probs.shape[0] if probs.ndim > 1 else None)
-        return categorical(mx.log(probs), key).astype(mx.int32)
+        p = probs.astype(mx.float32)
+        whole = (mx.abs(p.sum(-1) - 1) <= SUM_TOLERANCE) & (p.min(-1) >= 0)  # NaN fails both
+        bad = [i for i, ok in enumerate(cast(list[bool], whole.reshape(-1).tolist())) if not ok]
+        if bad:
+            raise StateError(
+                f"Sampler.sample: probs must be distributions (no NaN, none negative, each "
+                f"summing to 1); distributions {bad[:8]} (flattened over the leading axes) "
+                f"are not (minimum {mx.min(p).item():.4g}): pass sampler.probs(logits)"
+            )
+        return draw_from(self, probs, key)
+
+
+def draw_from(sampler: Sampler, probs: mx.array, key: mx.array | None) -> mx.array:
+    """`sampler.sample(probs, key)` without its checks and read: for distributions the
+    package made (`Sampler.probs` of logits, the acceptance rule's residuals), unevaluated."""
+    if sampler.greedy:
+        return probs.argmax(-1).astype(mx.int32)
+    return categorical(mx.log(probs), key).astype(mx.int32)
 
 
 def generation_keys(seed: int) -> tuple[mx.array, mx.array]:
@@ -159,7 +181,7 @@ def pick(sampler: Sampler, logits: mx.array, key: mx.array | None) -> mx.array:
     distribution built and no key used)."""
     if sampler.greedy:
         return logits.argmax(-1)
-    return sampler.sample(sampler.probs(logits), key)
+    return draw_from(sampler, sampler.probs(logits), key)
 
 
 def draw(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
@@ -276,7 +298,7 @@ def accept_columns(
     use_residual = rejected[:, None] & (mass > 0)
     final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
     marks = marks + TARGET_NAN * mx.isnan(final).any(-1).astype(mx.int32)
-    next_tokens = sampler.sample(final, key=keys[1])
+    next_tokens = draw_from(sampler, final, keys[1])
     return mx.concatenate([accepted[:, None], next_tokens[:, None], marks[:, None]], axis=1).astype(
         mx.int32
     )
