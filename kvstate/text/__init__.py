@@ -13,15 +13,20 @@ nothing in kvstate imports it).
 """
 
 from ._chat import Chat
+from ._models import DEFAULT_MODEL, TINY, TextModel, load_text_model
 from ._stream import Prompt, Response, TextStream, prompt_ids, stream_text
 from ._tokenizer import detokenizer_class, text_tokenizer
 
 __all__ = [
+    "DEFAULT_MODEL",
+    "TINY",
     "Chat",
     "Prompt",
     "Response",
+    "TextModel",
     "TextStream",
     "detokenizer_class",
+    "load_text_model",
     "prompt_ids",
     "stream_text",
     "text_tokenizer",
