@@ -8,8 +8,11 @@
     for r in stream_text(wrap(model), tokenizer, "Hello", NGramDrafter(), max_tokens=64):
         print(r.text, end="", flush=True)
 
+`load_text_model(spec)` resolves a `--model` spec (a packaged name, a local mlx-lm directory,
+tiny:<architecture>) to a model and its tokenizer, for the CLI and the server alike.
+
 Above the speculative package (it imports transformers and mlx-lm's tokenizer utilities;
-nothing in kvstate imports it).
+only the top floor, kvstate.cli and kvstate.serve, imports it).
 """
 
 from ._chat import Chat
