@@ -43,19 +43,26 @@ def quantize(
     `maybe_quantize_kv_cache` (which refuses windows), so a Gemma-style state (sliding and
     global layers) is quantized whole.
     """
-    spec = {
-        "key_bits": bits if key_bits is None else key_bits,
-        "value_bits": bits if value_bits is None else value_bits,
-        "key_group_size": group_size if key_group_size is None else key_group_size,
-        "value_group_size": group_size if value_group_size is None else value_group_size,
+    # Each side's value and the argument it came from (named in a refusal: `bits=7` is
+    # refused as bits, not as key_bits).
+    given = {
+        "key_bits": ("bits", bits) if key_bits is None else ("key_bits", key_bits),
+        "value_bits": ("bits", bits) if value_bits is None else ("value_bits", value_bits),
+        "key_group_size": ("group_size", group_size)
+        if key_group_size is None
+        else ("key_group_size", key_group_size),
+        "value_group_size": ("group_size", group_size)
+        if value_group_size is None
+        else ("value_group_size", value_group_size),
     }
-    for name, value in spec.items():
-        allowed = BITS if name.endswith("bits") else GROUP_SIZES
+    for side, (name, value) in given.items():
+        allowed = BITS if side.endswith("bits") else GROUP_SIZES
         require(
             is_int(value) and value in allowed,
             ConfigMismatchError,
             f"quantize: {name}={value!r} is not supported; use an int in {list(allowed)}",
         )
+    spec = {side: value for side, (_, value) in given.items()}
     require(
         rotation in ROTATIONS and is_int(seed),
         ConfigMismatchError,

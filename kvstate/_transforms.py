@@ -12,6 +12,8 @@ its checkpoints the same way (`kvstate.tree_map(lambda c: c[rows], checkpoints)`
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -19,7 +21,7 @@ import mlx.core as mx
 
 from ._errors import CommitError, ConfigMismatchError, RowError, StateError, require
 from ._shared import config_mismatches
-from ._tree import State
+from ._tree import State, nbytes
 from ._trust import inherit
 from ._validation import as_int, as_ints
 from .kinds import (
@@ -159,8 +161,40 @@ def tile(state: S, n: int) -> S:
     """
     count = as_int(n, "tile: n", RowError)
     require(count >= 1, RowError, f"tile: n must be an int >= 1; got {count}")
+    _state(state, "tile: state")
+    _fits(state, count)
     rows = tuple(b for b in range(batch_size_of(state)) for _ in range(count))
     return inherit(take_rows(state, rows), state)
+
+
+MAX_ROWS = 2**24  # a batch past this is no batch any device runs (and its row list alone is GBs)
+
+
+def _fits(state: Any, count: int) -> None:
+    """Refuse a `tile` by `count` whose result cannot fit, before allocating anything: more
+    than MAX_ROWS rows, or more bytes than the device's memory (the machine's for the CPU)."""
+    rows = batch_size_of(state) * count
+    need = nbytes(state) * count
+    memory = _memory_bytes()
+    require(
+        rows <= MAX_ROWS and (memory is None or need <= memory),
+        RowError,
+        f"tile: n={count} would make {rows} rows and {need / 2**30:.3g} GiB"
+        + ("" if memory is None else f" (memory: {memory / 2**30:.3g} GiB)")
+        + f"; a tiled state must fit in memory and hold at most {MAX_ROWS} rows: use a smaller n",
+    )
+
+
+@functools.cache
+def _memory_bytes() -> int | None:
+    """The device's memory (MLX's `memory_size`), else the machine's physical memory."""
+    size = mx.device_info().get("memory_size")
+    if isinstance(size, int) and size > 0:
+        return size
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def row_select(state: S, rows: Any) -> S:

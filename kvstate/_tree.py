@@ -285,7 +285,8 @@ def _collect(node: Any, leaves: list[mx.array]) -> None:
     elif node is not None:
         raise StateError(
             f"a {type(node).__name__} inside a state: children must be mx.array, None, tuples "
-            "of those, or kvstate states"
+            "of those, or kvstate states (convert mlx-lm caches with "
+            "kvstate.adapters.from_mlx_lm)"
         )
 
 
@@ -321,5 +322,12 @@ def eval(tree: Any) -> Any:
 
 
 def nbytes(tree: Any) -> int:
-    """Bytes held by the arrays of a state (capacity included, not only the used part)."""
+    """Bytes held by the arrays of a state (capacity included, not only the used part), or
+    of a tuple of states / arrays (checkpoints). Anything else (None, a list of mlx-lm
+    caches) is refused: a size of 0 for it would be silently wrong."""
+    if not isinstance(tree, (State, mx.array, tuple)):
+        raise StateError(
+            f"nbytes: expected a kvstate state; got {'None' if tree is None else 'a ' + type(tree).__name__} "
+            "(convert mlx-lm caches with kvstate.adapters.from_mlx_lm(caches))"
+        )
     return sum(a.nbytes for a in tree_leaves(tree))

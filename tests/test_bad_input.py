@@ -560,6 +560,70 @@ add("quantize(rotation='so4', seed=-1)",
     lambda c: ks.quantize(c.s1, rotation="so4", seed=-1), SE, "seed")  # fmt: skip
 
 
+# ------------------------------------------------------------------------ the review's leftovers
+# (benchmarks/results/reliability-after-issue20.md: what still escaped or ran silently)
+
+
+def head_of(c: Ctx) -> MTPHead:
+    return MTPHead(c.raw)
+
+
+def tiled(state: Any, n: int) -> Any:
+    return ks.tile(state, n)
+
+
+def mlx_lm_caches(c: Ctx) -> Any:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(c.raw)
+
+
+SH = ks.ShapeError
+for label, thunk, error, names in [
+    ("MTPHead call: hidden 32 wide for a 64-wide model",
+     lambda c: head_of(c)(mx.zeros((1, 1, 32)), mx.array([[1]]), head_of(c).init_state()), SH,
+     "hidden"),
+    ("MTPDrafter start: hidden of the wrong width",
+     lambda c: MTPDrafter(head_of(c)).start([[1, 2]], hidden=[mx.zeros((1, 2, 32))]), SH,
+     "hidden"),
+    ("generate with the head of another model (hidden 32)",
+     lambda c: drain(c.T, P, MTPDrafter(MTPHead(tiny_model("llama", num_hidden_layers=2,
+                                                           hidden_size=32, head_dim=8))), k=2),
+     SH, "hidden"),
+    ("MTPHead call: tokens a list",
+     lambda c: head_of(c)(mx.zeros((1, 1, 64)), [[3]], head_of(c).init_state()), T, "tokens"),
+    ("MTPHead call: tokens of floats",
+     lambda c: head_of(c)(mx.zeros((1, 1, 64)), mx.array([[3.0]]), head_of(c).init_state()), T,
+     "tokens"),
+    ("MTPHead(layers=100) for a 2-layer model", lambda c: MTPHead(c.raw, layers=100), SE, "layers"),
+    ("MTPHead(layers=True)", lambda c: MTPHead(c.raw, layers=True), SE, "layers"),
+    ("Sampler.sample of negative probs",
+     lambda c: HOT.sample(mx.array([[-0.5, 1.5]]), key=mx.random.key(0)), SE, "probs"),
+    ("Sampler.sample of NaN probs", lambda c: HOT.sample(mx.array([[float("nan"), 1.0]])), SE,
+     "probs"),
+    ("Sampler.sample of probs summing to 2 (greedy too)",
+     lambda c: Sampler().sample(mx.array([[1.0, 1.0]])), SE, "probs"),
+    ("Sampler.sample of int probs", lambda c: HOT.sample(mx.array([[0, 1]])), SE, "probs"),
+    ("quantize(bits=7)", lambda c: ks.quantize(c.s1, bits=7), ks.ConfigMismatchError, "bits="),
+    ("quantize(bits=4.0)", lambda c: ks.quantize(c.s1, bits=4.0), ks.ConfigMismatchError,
+     "bits="),
+    ("quantize(group_size=48)", lambda c: ks.quantize(c.s1, group_size=48),
+     ks.ConfigMismatchError, "group_size="),
+    ("quantize(bits=4, value_bits=7)", lambda c: ks.quantize(c.s1, bits=4, value_bits=7),
+     ks.ConfigMismatchError, "value_bits="),
+    ("tile(state, 10**9) (cannot fit)", lambda c: tiled(c.s1, 10**9), RE, "n="),
+    ("tile(None, 2)", lambda c: tiled(None, 2), SE, "state"),
+    ("nbytes(None)", lambda c: ks.nbytes(None), SE, "from_mlx_lm"),
+    ("nbytes([mlx-lm caches])", lambda c: ks.nbytes(mlx_lm_caches(c)), SE,
+     "from_mlx_lm"),
+    ("wrapped m(tokens, state, lengths=5)", lambda c: c.T([[1, 2]], c.s1, lengths=5), SH,
+     "lengths"),
+    ("wrap(None)", lambda c: wrap(None), SE, "model"),
+    ("wrap(a string)", lambda c: wrap("llama"), SE, "model"),
+]:  # fmt: skip
+    add(label, thunk, error, names)
+
+
 @pytest.mark.parametrize(("label", "thunk", "error", "names"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input_raises_a_state_error_naming_it(c, label, thunk, error, names):
     with pytest.raises(ks.StateError) as raised:

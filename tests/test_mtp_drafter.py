@@ -17,8 +17,9 @@ from mlx.utils import tree_flatten
 import kvstate as ks
 from kvstate.adapters import MTPHead, wrap
 from kvstate.adapters.tiny_models import tiny_model
-from kvstate.speculative import MTPDrafter, Sampler, accept, generate
+from kvstate.speculative import MTPDrafter, Sampler, generate
 from kvstate.speculative import _linear_round as round_module
+from kvstate.speculative._sampling import sampled_verdict as verdict
 from tests.test_speculative import NEW, PROMPTS, chi_square, greedy
 
 
@@ -203,7 +204,9 @@ def test_sampled_tokens_follow_the_targets_distribution(monkeypatch):
     prompt = [5, 9, 13]
     verdicts = []  # the acceptance rule's, one per verify round: it must have been tried
     monkeypatch.setattr(
-        round_module, "accept", lambda *a, **k: verdicts.append(accept(*a, **k)) or verdicts[-1]
+        round_module,
+        "sampled_verdict",
+        lambda *a, **k: verdicts.append(verdict(*a, **k)) or verdicts[-1],
     )
     emitted: list[list[int]] = []
     for seed in range(5, 11):

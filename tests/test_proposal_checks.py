@@ -89,3 +89,61 @@ def test_a_drafter_taking_keywords_is_handed_the_generators_key(model):
     run(model, drafter)
     key = drafter.keys[0]
     assert isinstance(key, mx.array) and key.shape == (2,) and key.dtype == mx.uint32
+
+
+# ------------------------------------------------------------- values the generator made
+# A kvstate drafter's proposal (`Drafted`) and the generator's own `last` / `kept` (`Made`)
+# skip the checks a user's values get, but only where they fit: anything else is checked.
+
+
+def test_kvstate_drafters_propose_made_drafts_bounded_by_their_logits(model):
+    from kvstate.speculative import ModelDrafter, NGramDrafter
+    from kvstate.speculative._drafter import Drafted
+
+    drafter = ModelDrafter(wrap(model))
+    drafter.start([PROMPT])
+    made = drafter.propose([5], 3, Sampler())
+    assert isinstance(made, Drafted) and made.bound == 256
+    ngram = NGramDrafter()
+    ngram.start([[3, 200, 3, 7]])
+    looked_up = ngram.propose([3], 2, Sampler())
+    assert isinstance(looked_up, Drafted) and looked_up.bound == 201
+    assert looked_up.counts[0] > 0 and max(looked_up.tokens.tolist()[0]) < 201
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_made_proposal_past_its_bound_is_checked_in_full(model, sampled):
+    """A `Drafted` whose bound is wider than the target's vocabulary (and than its probs)
+    goes through the device check: an id past the vocabulary is refused, as a user's is."""
+    from kvstate import TokenError
+    from kvstate.speculative._drafter import Drafted
+
+    class Wide(Oracle):
+        def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+            probs = None
+            if not sampler.greedy:
+                probs = mx.full((1, 2, 256), 1 / 256)
+            return Drafted(mx.array([[300, 5]]), [2], probs, 512)
+
+    sampler = Sampler(temperature=1.0) if sampled else Sampler()
+    with pytest.raises(TokenError, match="300"):
+        list(generate(wrap(model), [PROMPT], Wide([], 2, "mx"), k=2, max_tokens=4,
+                      sampler=sampler))  # fmt: skip
+
+
+def test_the_generators_own_ids_are_still_checked_against_a_narrower_vocabulary():
+    """`Made` ids skip the type checks, never the drafter's own vocabulary (a target's token
+    past a draft model's vocabulary would be read out of bounds), nor the row count."""
+    from kvstate import StateError, TokenError
+    from kvstate.speculative._checks import checked_kept, checked_last
+    from kvstate.speculative._values import Made
+
+    assert checked_last(Made([3, 4]), 2, 256, "d") == [3, 4]
+    with pytest.raises(TokenError, match="300"):
+        checked_last(Made([300]), 1, 256, "d")
+    with pytest.raises(TokenError, match="rows"):
+        checked_last(Made([1, 2]), 1, 256, "d")
+    fed = mx.array([[1, 2, 3]])
+    assert checked_kept(fed, Made([2]), 1, 3, "d") == [2]
+    with pytest.raises(StateError, match="kept"):
+        checked_kept(fed, Made([3]), 1, 2, "d")  # more than the last proposal can keep

@@ -121,3 +121,25 @@ def test_readme_real_models_example_runs_alone(capsys):
     text = namespace["tokenizer"].decode(namespace["tokens"])
     assert text in capsys.readouterr().out
     assert "a - b" in text  # the model continues the pattern
+
+
+def test_readme_command_line_block_names_real_options():
+    """The CLI section's commands: the tiny one runs (as `python -m kvstate`), and every
+    option the section's commands use is one `kvstate <command> --help` lists."""
+    import shlex
+    import subprocess
+    import sys
+
+    import kvstate.cli
+
+    lines = [line for line in code_after("## Command line", "bash").splitlines() if line.strip()]
+    commands = [shlex.split(line.split("|")[-1]) for line in lines]
+    for words in commands:
+        assert words[0] == ".venv/bin/kvstate", words
+        sub = kvstate.cli.parser()._subparsers._group_actions[0].choices[words[1]]
+        known = {o for a in sub._actions for o in a.option_strings}
+        assert {w for w in words if w.startswith("--")} <= known, words
+    tiny = next(w for w in commands if "tiny:llama" in w)
+    run = subprocess.run([sys.executable, "-m", "kvstate", *tiny[1:]], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "Generation: 32 tokens" in run.stderr, run.stderr

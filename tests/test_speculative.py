@@ -22,6 +22,7 @@ from kvstate.speculative import (
     verify_paths,
 )
 from kvstate.speculative import _linear_round as round_module
+from kvstate.speculative._sampling import sampled_verdict as verdict
 
 from .helpers import ScriptedDrafter, second_tokens_checked
 
@@ -228,7 +229,9 @@ def test_sampled_generation_matches_the_target_distribution(monkeypatch):
     pairs: dict[int, list[int]] = {}
     verdicts = []  # the acceptance rule's, one per verify round: it must have been tried
     monkeypatch.setattr(
-        round_module, "accept", lambda *a, **k: verdicts.append(accept(*a, **k)) or verdicts[-1]
+        round_module,
+        "sampled_verdict",
+        lambda *a, **k: verdicts.append(verdict(*a, **k)) or verdicts[-1],
     )
     for seed in (11, 12, 13):
         drafter = ModelDrafter(draft, seed=seed)

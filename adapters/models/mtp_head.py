@@ -25,14 +25,14 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate import ModelState, NotSupportedError, StateError
+from kvstate import ModelState, NotSupportedError, ShapeError, StateError, TokenError
 
 from ..instruments.hidden import hidden_states, output_projections, recording_hidden
 from ..wrapped.wrap import wrap
@@ -97,6 +97,9 @@ class MTPHead(nn.Module):
         self._fused = "inner." + _fuse_embedding(self.inner, args) + "."
         self._wrapped = wrap(self.inner)
         self.vocab_size = self._wrapped.vocab_size  # wrap's shape probe, run before any feeding
+        self.hidden_size = int(
+            cast(Any, args).hidden_size
+        )  # the width of the hidden states it takes
 
     def init_state(self, batch_size: int = 1) -> ModelState:
         return self._wrapped.init_state(batch_size)
@@ -105,10 +108,27 @@ class MTPHead(nn.Module):
         self, hidden: mx.array, tokens: mx.array, state: ModelState, *, capture: bool = False
     ) -> tuple[Any, ...]:
         """(logits, hidden, state), or (logits, hidden, state, checkpoints) with capture."""
+        if not (isinstance(tokens, mx.array) and tokens.ndim == 2):
+            shown = f"shape {tuple(tokens.shape)}" if isinstance(tokens, mx.array) else (
+                f"a {type(tokens).__name__}: pass mx.array(tokens)")  # fmt: skip
+            raise TokenError(f"MTPHead: tokens must be an mx.array (B, K) of ids; got {shown}")
+        if not mx.issubdtype(tokens.dtype, mx.integer):
+            raise TokenError(f"MTPHead: tokens must be integer ids; got dtype {tokens.dtype}")
+        if not isinstance(hidden, mx.array):
+            raise ShapeError(
+                f"MTPHead: hidden must be an mx.array (B, K, D) of the target's hidden states; "
+                f"got a {type(hidden).__name__}"
+            )
         if hidden.ndim != 3 or tuple(hidden.shape[:2]) != tuple(tokens.shape):
-            raise StateError(
+            raise ShapeError(
                 f"MTPHead: hidden {tuple(hidden.shape)} must be (B, K, D) for tokens "
                 f"{tuple(tokens.shape)}"
+            )
+        if hidden.shape[-1] != self.hidden_size:
+            raise ShapeError(
+                f"MTPHead: hidden is {hidden.shape[-1]} wide but this head's model has "
+                f"hidden_size {self.hidden_size}: a head takes the hidden states of the model "
+                "it was built for (MTPHead(target_model))"
             )
         with feeding(hidden):
             out = self._wrapped(tokens, state, capture=capture, hidden=True)
@@ -152,8 +172,14 @@ def _head_args(args: Any, n: int) -> Any:
 def _smallest_model(target: nn.Module, args: Any, layers: int | None) -> nn.Module:
     """A model of the target's class with its first N layers: `layers`, or the fewest for
     which a one-token forward of the architecture's own code runs."""
-    if layers is not None and not (isinstance(layers, int) and layers >= 1):
-        raise StateError(f"MTPHead: layers must be an int >= 1; got {layers!r}")
+    depth = args.num_hidden_layers
+    if layers is not None and not (
+        isinstance(layers, int) and not isinstance(layers, bool) and 1 <= layers <= depth
+    ):
+        raise StateError(
+            f"MTPHead: layers must be an int in 1..{depth} (the target's num_hidden_layers: "
+            f"the head uses the architecture's first layers); got {layers!r}"
+        )
     tried = [layers] if layers is not None else range(1, args.num_hidden_layers + 1)
     failure: Exception | None = None
     build: Any = type(target)

@@ -121,6 +121,12 @@ def check_lengths(lengths: Sequence[int], shape: tuple[int, ...], capture: bool)
     """Refuse `lengths` (each row's real length in a right-padded prompt batch of `shape`)
     that are not one int in 1..K per row, or that come with capture=True."""
     batch, width = shape
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise ShapeError(
+            f"lengths must be a list with one int in 1..{width} (the padded width) per row of "
+            f"the {batch}-row batch; got {lengths!r:.60}"
+            + (f": pass [{lengths}]" if isinstance(lengths, int) and batch == 1 else "")
+        )
     if capture:
         raise StateError(
             "capture=True with lengths=: a right-padded prompt batch is not a verify forward; "

@@ -7,6 +7,8 @@ from typing import Any
 
 import mlx.nn as nn
 
+from kvstate import StateError
+
 from ..caches.registry import is_mlx_vlm
 from .model import WrappedModel
 
@@ -23,6 +25,12 @@ def wrap(
     model). Options (None: the defaults in effect, see `kvstate.adapters.wrap_options`):
     `buckets`, `verify_kernel` (how multi-token forwards attend on CUDA), `record_mixers`
     (False: every recurrent layer's checkpoints by replay)."""
+    if not isinstance(model, nn.Module):
+        raise StateError(
+            f"wrap: model must be an mlx-lm (or mlx-vlm) model, an mlx.nn.Module (e.g. "
+            f"mlx_lm.load(path)[0]); got "
+            f"{'None' if model is None else 'a ' + type(model).__name__}"
+        )
     options: dict[str, Any] = {
         "buckets": buckets,
         "verify_kernel": verify_kernel,

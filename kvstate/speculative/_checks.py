@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import DenseKV, RowError, State, StateError, TokenError, batch_size, quantize
 from . import _values as values
-from ._drafter import DraftTree, Proposal
+from ._drafter import Drafted, DraftTree, Proposal
 from ._sampling import Sampler
 from ._target import Abilities
 from ._values import DrafterError
@@ -330,7 +330,9 @@ class Drafts(NamedTuple):
     probs: (B, span, V') float or None.
     marks: (B,) int32 device marks (`_values.DRAFT_ID`) of rows with a counted id outside
         the vocabulary the drafts may use, read with the verdict; None when nothing is
-        left to read (ids checked on the host, or nothing drafted).
+        left to read (ids checked on the host, made in range, or nothing drafted).
+    made: a kvstate drafter's proposal (`Drafted`) whose ids fit: its ids and
+        distributions need no device check (the acceptance rule skips the probs' marks).
     """
 
     tokens: mx.array
@@ -338,6 +340,7 @@ class Drafts(NamedTuple):
     counts: list[int]
     probs: mx.array | None
     marks: mx.array | None
+    made: bool = False
 
 
 def checked_proposal(proposal: Any, rows: int, asked: int, k: int, vocab: int) -> Drafts:
@@ -369,6 +372,12 @@ def checked_proposal(proposal: Any, rows: int, asked: int, k: int, vocab: int) -
         if span == 0:
             return Drafts(tokens, tokens, drafted, probs, None)
         tokens = tokens[:, :span]
+        if isinstance(proposal, Drafted) and proposal.bound <= limit:
+            # Made in range by a kvstate drafter: nothing to mark; ids the target lacks (a
+            # wider draft vocabulary, covered by probs) are fed as 0 and rejected.
+            fed = tokens if proposal.bound <= vocab else mx.where(tokens >= vocab, 0, tokens)
+            fed = fed if fed.dtype == mx.int32 else fed.astype(mx.int32)
+            return Drafts(tokens, fed, drafted, probs, None, True)
         fed, marks = _guarded(tokens, mx.array(drafted), vocab, limit)
         return Drafts(tokens, fed, drafted, probs, marks)
     host = _host_tokens(tokens, rows, span, where)
@@ -522,7 +531,11 @@ def started_rows(rows: int | None, where: str) -> int:
 
 
 def checked_last(last: Any, rows: int, vocab: int | None, where: str) -> list[int]:
-    """`propose`'s `last`: one id per row of the drafter's batch, inside the vocabulary."""
+    """`propose`'s `last`: one id per row of the drafter's batch, inside the vocabulary
+    (the generator's own, `values.Made`, is checked against the vocabulary only)."""
+    made = type(last) is values.Made and len(last) == rows
+    if made and (vocab is None or not last or max(last) < vocab):
+        return cast(list[int], last)
     ids = values.ids(last, f"{where}: last", vocab)
     if len(ids) != rows:
         raise TokenError(
@@ -548,7 +561,12 @@ def checked_sampler(sampler: Any, where: str) -> Sampler:
 
 def checked_kept(fed: Any, kept: Any, rows: int, most: int, where: str) -> list[int]:
     """`accept`'s `fed` (rows, 1 + span) ids and `kept`: one count in 1..min(most, 1 + span)
-    per row (`most`: what the drafter's last proposal can keep)."""
+    per row (`most`: what the drafter's last proposal can keep). The generator's own counts
+    (`values.Made`, each in 1..1 + span of its `fed`) are taken as they are when they are
+    one per row and within `most`."""
+    made = type(kept) is values.Made and isinstance(fed, mx.array)
+    if made and fed.shape[0] == len(kept) == rows and (not kept or max(kept) <= most):
+        return cast(list[int], kept)
     if not (isinstance(fed, mx.array) and fed.ndim == 2 and fed.shape[0] == rows):
         shown = f"shape {tuple(fed.shape)}" if isinstance(fed, mx.array) else type(fed).__name__
         raise StateError(

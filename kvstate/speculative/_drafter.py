@@ -38,6 +38,21 @@ class Proposal(NamedTuple):
     probs: mx.array | None
 
 
+class Drafted(Proposal):
+    """A `Proposal` one of kvstate's drafters made (private): every counted id is a pick
+    (an argmax or a draw) over `bound` ids, or an id the drafter was handed by the
+    generator, so all are in 0..bound-1; `probs` (when given) are a `Sampler`'s
+    distributions. The generator skips the device checks of the ids and distributions a
+    user's proposal gets when `bound` fits the round (`_checks.checked_proposal`)."""
+
+    bound: int
+
+    def __new__(cls, tokens: mx.array, counts: list[int], probs: mx.array | None, bound: int):
+        made = super().__new__(cls, tokens, counts, probs)
+        made.bound = bound
+        return made
+
+
 class DraftTree(NamedTuple):
     """Candidate drafts of one row as a token tree: `tokens[i]` follows draft `parents[i]`
     (-1: a root, following the row's last token), parents listed before their children.

@@ -40,6 +40,7 @@ from ._round import Round, RoundPlan
 from ._sampling import Sampler, draw, generation_keys, round_key
 from ._target import Target
 from ._tree_round import TREE_MODES, tree_round
+from ._values import Made
 
 
 def generate(
@@ -270,7 +271,7 @@ def _rounds(
         proposal = candidates = None
         asked = min(depth, budget) if budget > 0 else 0
         if budget > 0 and tree is None:
-            proposed = cast(Drafter, drafter).propose(live.last, asked, sampler)
+            proposed = cast(Drafter, drafter).propose(Made(live.last), asked, sampler)
             proposal = checked_proposal(proposed, len(live.last), asked, k, vocab)
         elif budget > 0:
             tree_drafter = cast(TreeDrafter, drafter)
@@ -300,7 +301,7 @@ def _rounds(
             decided = [*live.rows, *r.accepted, *r.next_tokens]
             agree(decided, group, what="the rows, accepted counts and next tokens")
         if budget > 0:  # budget 0: every row ends with this round
-            drafter.accept(r.fed, r.kept, **({"hidden": r.hidden} if hidden else {}))
+            drafter.accept(r.fed, Made(r.kept), **({"hidden": r.hidden} if hidden else {}))
         if adaptive and r.span:
             depth = _adapted(depth, k, r.accepted, r.span)
         out = live.emit(r, max_tokens, eos)

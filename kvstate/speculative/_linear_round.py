@@ -15,7 +15,7 @@ from ._checks import Drafts, marked_message, refused
 from ._emit import kept_drafts
 from ._replay import run_kept
 from ._round import Round, RoundPlan
-from ._sampling import Sampler, accept, greedy_picks, pick
+from ._sampling import Sampler, greedy_picks, pick, sampled_verdict
 from ._target import Target
 from ._values import raise_marked
 
@@ -107,7 +107,8 @@ def linear_round(
     else:
         target_probs = sampler.probs(logits)
         try:
-            verdict = accept(target_probs, drafts, proposal.probs, drafted, sampler, key)
+            verdict = sampled_verdict(target_probs, drafts, proposal.probs, drafted, sampler,
+                                      key, proposal.made)  # fmt: skip
         except StateError as e:  # what the drafter proposed, as its refusal
             raise refused(e) from None
         accepted, nxt = verdict.accepted, verdict.next_tokens

@@ -32,10 +32,10 @@ from ._checks import (
     checked_sampler,
     started_rows,
 )
-from ._drafter import DraftTree, Proposal
+from ._drafter import Drafted, DraftTree, Proposal
 from ._prefill import PREFILL_STEP, prefill
 from ._replay import run_kept
-from ._sampling import Sampler, draw
+from ._sampling import Sampler, draw, draw_from
 from ._target import Pick, Target
 from ._trees import tree_of_paths
 
@@ -171,14 +171,16 @@ class ModelDrafter:
             y = mx.concatenate([prefix, y], axis=1)
         tokens: list[mx.array] = []
         probs: list[mx.array] = []
+        widths: list[int] = []  # each step's logits width: every draft is an id below it
 
         def pick(logits: mx.array) -> mx.array:  # (B, vocab), a step's last position
+            widths.append(logits.shape[-1])
             if sampler.greedy:  # sampler.sample(sampler.probs(l)) is l.argmax(-1), less work
                 drafted = logits.argmax(-1, keepdims=True).astype(mx.int32)  # (B, 1)
             else:
                 q = sampler.probs(logits)
                 self.key, key = mx.random.split(self.key)
-                drafted = sampler.sample(q, key)[:, None]
+                drafted = draw_from(sampler, q, key)[:, None]
                 probs.append(q[:, None])
             if self.pipelined:
                 mx.async_eval(drafted)
@@ -199,7 +201,7 @@ class ModelDrafter:
             drafted, after = _drafted_by_calls(self.draft, y, start, k, pick)
         self._proposal = _Proposed(before, after, tokens[-1], prefix, k)
         distributions = mx.concatenate(probs, axis=1) if probs else None
-        return Proposal(drafted, [k] * len(last), distributions)
+        return Drafted(drafted, [k] * len(last), distributions, max(widths))
 
     def _take_state(self) -> Any:
         state, self.state = self.state, None

@@ -26,9 +26,9 @@ from ._checks import (
     checked_rows,
     checked_sampler,
 )
-from ._drafter import Proposal
+from ._drafter import Drafted, Proposal
 from ._prefill import PREFILL_STEP
-from ._sampling import Sampler
+from ._sampling import Sampler, draw_from
 
 
 class DraftHead(Protocol):
@@ -162,12 +162,12 @@ class MTPDrafter:
                 self._first_step = state
             q = sampler.probs(logits[:, -1])
             self.key, key = mx.random.split(self.key)
-            y = sampler.sample(q, key)[:, None]
+            y = draw_from(sampler, q, key)[:, None]
             tokens.append(y)
             probs.append(q[:, None])
         drafted = mx.concatenate(tokens, axis=1)
         distributions = None if sampler.greedy else mx.concatenate(probs, axis=1)
-        return Proposal(drafted, [k] * len(last), distributions)
+        return Drafted(drafted, [k] * len(last), distributions, logits.shape[-1])
 
     def accept(self, fed: mx.array, kept: list[int], hidden: mx.array | None = None) -> None:
         """`hidden`: the target's hidden states (B, 1 + span, D) over `fed` (B, 1 + span)."""

@@ -17,7 +17,7 @@ from ._checks import (
     checked_rows,
     started_rows,
 )
-from ._drafter import DraftTree, Proposal
+from ._drafter import Drafted, DraftTree, Proposal
 from ._sampling import Sampler
 from ._trees import tree_of_paths
 
@@ -50,13 +50,14 @@ class NGramDrafter:
         self.history: list[list[int]] = []
         self.index: list[dict[tuple[int, ...], list[int]]] = []
         self._started = False
+        self._top = 0  # the largest id any row's history holds
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """Index `prompts` (one per row). `key` is taken and unused: the lookup draws
         nothing at random (its drafts are point masses)."""
         prompts = checked_prompts(prompts, None, "NGramDrafter.start")
         self._started = True
-        self.history, self.index = [], []
+        self.history, self.index, self._top = [], [], 0
         for prompt in prompts:
             self.history.append([])
             self.index.append({})
@@ -81,7 +82,8 @@ class NGramDrafter:
             found = self._lookup(row, token, k)
             counts.append(len(found))
             drafts.append(found + [0] * (k - len(found)))
-        return Proposal(mx.array(drafts, mx.int32), counts, None)
+        # Every draft is an id of some row's history (or the filler 0): below `_top + 1`.
+        return Drafted(mx.array(drafts, mx.int32), counts, None, self._top + 1)
 
     def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
         if not values.is_integer(last):
@@ -135,6 +137,8 @@ class NGramDrafter:
 
     def _extend(self, row: int, tokens: list[int]) -> None:
         history, index = self.history[row], self.index[row]
+        if tokens:
+            self._top = max(self._top, max(tokens))
         for token in tokens:
             history.append(token)
             end = len(history)

@@ -123,18 +123,40 @@ class Sampler:
 
     def sample(self, probs: mx.array, key: mx.array | None = None) -> mx.array:
         """One token per distribution of `probs` (..., vocab) (argmax when greedy). `probs`
-        must be distributions: they are not read back to check it (the acceptance rule
-        checks a drafter's). `key`: one `mx.random.key`, or row keys (B, 2), one per row of
-        `probs` (B, ..., vocab): row b then draws with its own key (`_row_keys`)."""
+        must be distributions (no NaN, none negative, each summing to 1): checked with one
+        read of a flag per distribution (a `StateError` naming the rows); the package's own
+        draws, from distributions it made, skip the check and the read (`draw_from`).
+        `key`: one `mx.random.key`, or row keys (B, 2), one per row of `probs`
+        (B, ..., vocab): row b then draws with its own key (`_row_keys`)."""
         if not isinstance(probs, mx.array):
             raise StateError(
                 f"Sampler.sample: probs must be an mx.array (..., vocab); got {type(probs).__name__}"
             )
-        if self.greedy:
-            return probs.argmax(-1).astype(mx.int32)
-        if key is not None:
+        if probs.ndim == 0 or not mx.issubdtype(probs.dtype, mx.floating):
+            raise StateError(
+                f"Sampler.sample: probs must be float distributions (..., vocab); got shape "
+                f"{tuple(probs.shape)} and dtype {probs.dtype}"
+            )
+        if key is not None and not self.greedy:
             checked_key(key, "Sampler.sample: key", probs.shape[0] if probs.ndim > 1 else None)
-        return categorical(mx.log(probs), key).astype(mx.int32)
+        p = probs.astype(mx.float32)
+        whole = (mx.abs(p.sum(-1) - 1) <= SUM_TOLERANCE) & (p.min(-1) >= 0)  # NaN fails both
+        bad = [i for i, ok in enumerate(cast(list[bool], whole.reshape(-1).tolist())) if not ok]
+        if bad:
+            raise StateError(
+                f"Sampler.sample: probs must be distributions (no NaN, none negative, each "
+                f"summing to 1); distributions {bad[:8]} (flattened over the leading axes) "
+                f"are not (minimum {mx.min(p).item():.4g}): pass sampler.probs(logits)"
+            )
+        return draw_from(self, probs, key)
+
+
+def draw_from(sampler: Sampler, probs: mx.array, key: mx.array | None) -> mx.array:
+    """`sampler.sample(probs, key)` without its checks and read: for distributions the
+    package made (`Sampler.probs` of logits, the acceptance rule's residuals), unevaluated."""
+    if sampler.greedy:
+        return probs.argmax(-1).astype(mx.int32)
+    return categorical(mx.log(probs), key).astype(mx.int32)
 
 
 def generation_keys(seed: int) -> tuple[mx.array, mx.array]:
@@ -159,7 +181,7 @@ def pick(sampler: Sampler, logits: mx.array, key: mx.array | None) -> mx.array:
     distribution built and no key used)."""
     if sampler.greedy:
         return logits.argmax(-1)
-    return sampler.sample(sampler.probs(logits), key)
+    return draw_from(sampler, sampler.probs(logits), key)
 
 
 def draw(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
@@ -200,7 +222,23 @@ def accept(
     counts = _checked_args(target, drafts, draft_probs, counts, sampler, key)
     if sampler.greedy:
         return accept_greedy(target, drafts, counts)
-    columns = accept_columns(target, drafts, draft_probs, counts, sampler, key)
+    return sampled_verdict(target, drafts, draft_probs, counts, sampler, key)
+
+
+def sampled_verdict(
+    target: mx.array,
+    drafts: mx.array,
+    draft_probs: mx.array | None,
+    counts: list[int],
+    sampler: Sampler,
+    key: mx.array | None,
+    made: bool = False,
+) -> Verdict:
+    """`accept`'s sampled rule on arguments already checked on the host (the generator's
+    `checked_proposal`), in one read, raising for what its marks found. `made`: the drafts
+    and `draft_probs` are a kvstate drafter's (`Drafted`): ids in range and a sampler's
+    distributions, so the distributions' marks are not computed."""
+    columns = accept_columns(target, drafts, draft_probs, counts, sampler, key, made)
     rows = cast(list[list[int]], columns.tolist())
     raise_marked([r[2] for r in rows], _refusals(target, drafts, draft_probs, counts))
     return Verdict([r[0] for r in rows], [r[1] for r in rows])
@@ -213,10 +251,12 @@ def accept_columns(
     counts: list[int],
     sampler: Sampler,
     key: mx.array | None,
+    made: bool = False,
 ) -> mx.array:
     """`accept`'s rule on the device, unread: (B, 3) int32 [accepted, next token, marks],
     marks the bits of `_values` (DRAFT_ID, DRAFT_PROBS, DRAFT_UNLIKELY, TARGET_NAN) of what
-    was wrong with row b's input (0: nothing)."""
+    was wrong with row b's input (0: nothing; `made`: DRAFT_PROBS and DRAFT_UNLIKELY are not
+    computed, see `sampled_verdict`)."""
     span = drafts.shape[1]
     vocab = target.shape[-1]
     width = vocab if draft_probs is None else draft_probs.shape[-1]
@@ -236,7 +276,8 @@ def accept_columns(
         draft_probs = draft_probs[:, :span].astype(mx.float32)
         q_ids = mx.where(invalid, 0, drafts).astype(mx.int32)
         q_draft = mx.take_along_axis(draft_probs, q_ids[..., None], axis=-1)[..., 0]
-        marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
+        if not made:
+            marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
     u = uniform(p_draft.shape, keys[0])
     ok = (u * q_draft < p_draft) & counted  # u < p / q, without dividing by a zero q
     accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
@@ -257,7 +298,7 @@ def accept_columns(
     use_residual = rejected[:, None] & (mass > 0)
     final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
     marks = marks + TARGET_NAN * mx.isnan(final).any(-1).astype(mx.int32)
-    next_tokens = sampler.sample(final, key=keys[1])
+    next_tokens = draw_from(sampler, final, keys[1])
     return mx.concatenate([accepted[:, None], next_tokens[:, None], marks[:, None]], axis=1).astype(
         mx.int32
     )

@@ -35,7 +35,7 @@ from typing import NamedTuple, cast
 import mlx.core as mx
 
 from .. import StateError
-from ._sampling import Sampler
+from ._sampling import Sampler, draw_from
 
 
 class TreeDraw(NamedTuple):
@@ -67,7 +67,7 @@ def sample_tree(
         residual = mx.where((vocab[:, None] == mx.array(rejected)[None]).any(-1), 0, at)
         mass = residual.sum()
         at = mx.where(mass > 0, residual / mx.where(mass > 0, mass, 1), at)
-    token = cast(int, sampler.sample(at, key=keys[1]).item())
+    token = cast(int, draw_from(sampler, at, keys[1]).item())
     return TreeDraw(nodes, token)
 
 

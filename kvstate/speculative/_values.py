@@ -30,6 +30,15 @@ SEED_LIMIT = 2**64  # mx.random.key takes a uint64
 SUM_TOLERANCE = 1e-2  # |sum(q) - 1| of a float32 / bfloat16 distribution over ~150k ids
 
 
+class Made(list[int]):
+    """Ids or counts the generator made itself and has checked (a round's next tokens, its
+    kept counts), as it hands them to a drafter's `propose` / `accept`: a drafter skips
+    re-checking their types and counts (it still checks what its own model cannot take).
+    Anything else a drafter is given (a plain list, an array) is checked in full."""
+
+    __slots__ = ()
+
+
 class DrafterError(StateError):
     """A drafter's output the generator cannot verify: not a `Proposal` / `DraftTree`, rows
     or counts that do not match the round, probabilities of the wrong shape or that are not

@@ -1,0 +1,5 @@
+"""`python -m kvstate`: the command line (`kvstate.cli`)."""
+
+from kvstate.cli import main
+
+main()
