@@ -26,20 +26,13 @@ from kvstate import NotSupportedError
 
 from ..caches.quantized_cache import QuantizedStateCache
 from ..caches.quantized_rotating import QuantizedRotatingCache
+from ..caches.routes import ROUTED_FOR_GOOD, ROUTES
 from ..caches.walk import leaves
 from .swap import reading, subclass, swapped, with_body
 
 NAME = "scaled_dot_product_attention"
 
 _ROUTED = "_kvstate_attention_routed"  # set on a routed model (an nn.Module is unhashable)
-
-
-# (queries, keys, values, cache, scale, mask, sinks) -> output, or None for mlx-lm's function
-Route = Callable[[Any, Any, Any, Any, float, Any, Any], Any]
-ROUTES: dict[type, Route] = {}
-# Caches whose states need their route at every step (so `wrap` routes the model for good the
-# first time one runs); the other routes serve one forward (`attention_routed`).
-ROUTED_FOR_GOOD: set[type] = set()
 
 
 def _quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,

@@ -25,6 +25,7 @@ from kvstate.kinds import replace
 from kvstate.turboquant import is_split, low_channels, scheme_of
 
 from ..registry import fresh, register_from
+from ..routes import ROUTED_FOR_GOOD, ROUTES
 
 _SIDES = ("key", "value")
 
@@ -318,14 +319,6 @@ def _turboquant_attention(
     )
 
 
-def _route_mlx_lm_attention() -> None:
-    """Register the route (imported here, at the end: this module loads when the first
-    TurboQuant state or cache is converted, after the routing module exists)."""
-    from ...instruments.routing import ROUTED_FOR_GOOD, ROUTES
-
-    for cls in (tq.TurboQuantKVCache, tq.BatchTurboQuantKVCache):
-        ROUTES[cls] = _turboquant_attention
-        ROUTED_FOR_GOOD.add(cls)
-
-
-_route_mlx_lm_attention()
+for _cls in (tq.TurboQuantKVCache, tq.BatchTurboQuantKVCache):
+    ROUTES[_cls] = _turboquant_attention
+    ROUTED_FOR_GOOD.add(_cls)
