@@ -7,9 +7,11 @@ Each `step()`:
 2. admits queued requests, first come first served, while the running and prefilling
    requests are fewer than `max_batch`; each starts from the longest prefix the prefix
    cache holds of its prompt;
-3. prefills at most `prefill_chunk` prompt positions in all (oldest prompt first, chunks
-   ending at block boundaries), so the running rows wait at most one chunk's forward per
-   step; a prompt whose last position ran draws its first token;
+3. prefills up to `prefill_rows` prompts together (oldest first; see `_prefilling`): a
+   forward of every one's next chunk (chunks ending at block boundaries, right-padded to
+   one width), more while the budget lasts, then one one-token forward of the prompts that
+   reached their last positions, whose logits draw their first tokens: `prefill_chunk`
+   prompt positions in all per step;
 4. runs one round for every running row: a plain step, or with a drafter a verify of every
    row's drafts and a ragged commit of each row's accepted prefix; rows emit up to their
    own `max_tokens` and first stop id;
@@ -18,9 +20,11 @@ Each `step()`:
 6. joins the prompts prefilled in 3 to the batch (`extend`: ragged lengths, left padding)
    and to the drafter (`add_rows`).
 
-The stall a long prompt causes the running rows is bounded by one forward of
-`prefill_chunk` positions per step (with a draft model, the draft model also prefills the
-whole prompt at the join: a small model's forward over it).
+The stall prefills cause the running rows is bounded by `prefill_chunk` prompt positions
+per step (at most `prefill_chunk // 2` prompts prefill at once, each running a position or
+two at least; with a right-padded forward the pads cost compute beside them: at most
+`prefill_rows` rows of the widest chunk). With a draft model, the draft model also prefills
+the whole prompt at the join: a small model's forward over it.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class Engine:
     (`NGramDrafter`, `ModelDrafter(wrap(draft_model))`, `MTPDrafter(head)`: anything with
     `add_rows`) or a factory of one. `max_batch`: rows running or prefilling at most (the
     rest wait in the queue). `prefill_chunk`: prompt positions prefilled per step (the stall
-    bound), also the block size of the prefix cache's boundaries. `prefix_cache_bytes`: the
+    bound), also the block size of the prefix cache's boundaries. `prefill_rows`: prompts
+    prefilled together in one forward at most (mlx-lm's `prefill_batch_size`). `prefix_cache_bytes`: the
     prefix cache's bound (`kvstate.nbytes` of its states; 0: no cache). `kv_bits`,
     `kv_group_size`, `kv_scheme`: quantized attention states (see `_kv.empty_state`). `k`:
     the most drafts per round (`adaptive`: the depth moves between 1 and k as in
