@@ -76,8 +76,8 @@ def test_a_soak_leaves_nothing_behind(kind):
     assert stats["running_bytes"] == 0
     assert stats["cancelled"] > 0 and stats["prefix_hits"] > 0 and stats["prefix_evictions"] > 0
     assert stats["finished"] + stats["cancelled"] == len(requests)
-    assert engine._batch.state is None and engine._group.state is None  # noqa: SLF001
-    assert not engine._group.prompts  # noqa: SLF001
+    assert engine._batch.state is None and engine._group.state is None
+    assert not engine._group.prompts
     cache = engine.prefix_cache
     assert cache is not None
     cache.clear()
