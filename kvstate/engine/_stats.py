@@ -16,6 +16,7 @@ class Counters:
         self.generated_tokens = 0
         self.prompt_tokens = 0  # prompts admitted, all their tokens
         self.prefilled_tokens = 0  # prompt tokens run through the target
+        self.prefill_forwards = 0  # the target's forwards over prompts (several per forward)
         self.finished = 0
         self.cancelled = 0
         self.rounds = 0
