@@ -157,7 +157,7 @@ class Engine:
         self._next_id = 0
         self._counters = Counters()
         self._reference: Any = None  # a one-token state: what loaded cache states must match
-        self._group = group_of(target)  # a split model: every step's decisions are agreed
+        self._ranks = group_of(target)  # a split model: every step's decisions are agreed
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -195,8 +195,8 @@ class Engine:
             self._decode(out)
         if rows:
             self._join(rows, state, keys, ready)
-        if self._group is not None:
-            agree(self._decisions(out), self._group, what="the engine step's decisions")
+        if self._ranks is not None:
+            agree(self._decisions(out), self._ranks, what="the engine step's decisions")
         self._counters.step(started, out.tokens)
         return out.outputs()
 
