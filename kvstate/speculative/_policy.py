@@ -2,10 +2,11 @@
 in tree mode how wide a tree, chosen to maximise the expected tokens per unit of time.
 
 Per row, a running estimate of the drafter's per-draft acceptance (the chance that a draft
-is accepted given the ones before it were): a Beta posterior over recent rounds (older
-rounds weigh `memory` per round), refined by the drafter's confidence where it states one
-(`Drafter.confidence`: a label per row, e.g. the n-gram match's length and count; the
-acceptance of each label is learned over every row). A row that expects `alpha` per draft
+is accepted given the ones before it were): a Beta posterior over its recent drafts (older
+ones weigh `memory` per draft verified since), refined by the drafter's confidence where it states one
+(`Drafter.confidence`: a label per row, e.g. the n-gram match's length and count: a row's
+acceptance after a label is learnt from its own drafts of that label, starting from every
+row's). A row that expects `alpha` per draft
 emits 1 + alpha + ... + alpha**w tokens from w drafts.
 
 Per width w, what a round verifying w drafts costs relative to a plain step: timed online
@@ -207,8 +208,10 @@ class _Rate:
         self.tries = 0.0
 
     def add(self, hits: float, tries: float, memory: float) -> None:
-        self.hits = self.hits * memory + hits
-        self.tries = self.tries * memory + tries
+        """`hits` of `tries` more, the old ones weighed `memory` per new try."""
+        fade = memory**tries
+        self.hits = self.hits * fade + hits
+        self.tries = self.tries * fade + tries
 
     def mean(self, prior: float, weight: float) -> float:
         return (self.hits + prior * weight) / (self.tries + weight)
@@ -221,8 +224,8 @@ class CostAwarePolicy:
     timings carry over to the next generation on the same model and machine.
 
     `cost`: a `CostModel` (default) or any object like it (`FixedCost` in tests); `clock`: the
-    time source (seconds), injectable for tests; `memory`: the weight of a row's previous
-    estimate per round it drafted; `prior` / `prior_weight`: a new row's acceptance belief
+    time source (seconds), injectable for tests; `memory`: the weight of a row's older
+    drafts per draft verified since (0.9: about the last ten count); `prior` / `prior_weight`: a new row's acceptance belief
     (its mean and its weight in draft tries); `probe`: rounds between probes of held-back
     rows (doubling after a failed probe, up to `probe_most`)."""
 
@@ -231,9 +234,9 @@ class CostAwarePolicy:
         *,
         cost: Any = None,
         clock: Clock = time.perf_counter,
-        memory: float = 0.7,
+        memory: float = 0.9,
         prior: float = 0.5,
-        prior_weight: float = 2.0,
+        prior_weight: float = 1.0,
         probe: int = 8,
         probe_most: int = 64,
     ) -> None:
@@ -251,8 +254,8 @@ class CostAwarePolicy:
         self.probe, self.probe_most = probe, probe_most
         self.last: Decision | None = None
         self._rows: list[_Rate] = []
+        self._row_labels: list[dict[Hashable, _Rate]] = []  # per row, per label
         self._labels: dict[Hashable, _Rate] = {}  # acceptance per drafter confidence label
-        self._overall = _Rate()  # every row's, the reference of the labels' factors
         self._widths: dict[int, _Rate] = {}  # tree mode: per tree width (paths kept)
         self._interval = probe
         self._since = 0  # rounds since a row last verified drafts
@@ -268,6 +271,7 @@ class CostAwarePolicy:
     def begin(self, rows: int) -> None:
         """A generation of `rows` rows starts: fresh acceptance estimates (the costs stay)."""
         self._rows = [_Rate() for _ in range(rows)]
+        self._row_labels = [{} for _ in range(rows)]
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = None
         self.last = None
@@ -275,10 +279,12 @@ class CostAwarePolicy:
     def join(self, n: int) -> None:
         """`n` rows join the batch, after the current ones."""
         self._rows += [_Rate() for _ in range(n)]
+        self._row_labels += [{} for _ in range(n)]
 
     def keep(self, alive: Sequence[int]) -> None:
         """Only the rows at positions `alive` stay, in this order."""
         self._rows = [self._rows[i] for i in alive]
+        self._row_labels = [self._row_labels[i] for i in alive]
 
     # -- what it measured ----------------------------------------------------------------
 
@@ -365,9 +371,10 @@ class CostAwarePolicy:
                 continue
             tries = a + (1 if a < d else 0)
             self._rows[b].add(a, tries, self.memory)
-            self._overall.add(a, tries, 0.98)
             if labels[b] is not None:
-                self._labels.setdefault(labels[b], _Rate()).add(a, tries, 0.98)
+                self._labels.setdefault(labels[b], _Rate()).add(a, tries, 0.99)
+                mine = self._row_labels[b].setdefault(labels[b], _Rate())
+                mine.add(a, tries, self.memory)
         if probe:
             kept = sum(accepted)
             self._interval = self.probe if kept else min(self.probe_most, 2 * self._interval)
@@ -441,25 +448,36 @@ class CostAwarePolicy:
         return total
 
     def _alpha(self, row: int, label: Any) -> float:
-        """Row `row`'s per-draft acceptance, scaled by its label's learnt factor."""
-        alpha = (
-            self._rows[row].mean(self.prior, self.prior_weight)
-            if row < len(self._rows)
-            else self.prior
-        )
-        if label is not None and label in self._labels:
-            reference = self._overall.mean(self.prior, self.prior_weight)
-            alpha *= self._labels[label].mean(reference, self.prior_weight) / reference
+        """Row `row`'s per-draft acceptance: without a label (or one never verified), its
+        own; with a label, its own drafts of that label, shrunk toward every row's drafts of
+        that label (a hierarchical prior: a new label on a row is what it is elsewhere)."""
+        if row >= len(self._rows):
+            return self.prior
+        if label is None or label not in self._labels:
+            alpha = self._rows[row].mean(self.prior, self.prior_weight)
+        else:
+            overall = self._labels[label].mean(self.prior, self.prior_weight)
+            mine = self._row_labels[row].get(label)
+            alpha = overall if mine is None else mine.mean(overall, 2 * self.prior_weight)
         return min(0.995, max(0.0, alpha))
 
     def _width_alpha(self, m: int) -> float:
-        """Tree mode: the per-draft acceptance of trees of m paths (one path: the row's)."""
+        """Tree mode: the per-draft acceptance of trees of m paths. A wider tree keeps at
+        least what a narrower one does, and one never verified is given the benefit of the
+        doubt (its extra path catches a draft the narrower tree misses with the prior's
+        chance), so that it is tried once it might pay."""
+        if m == 1:
+            return (
+                self._widths[1].mean(self.prior, self.prior_weight)
+                if 1 in self._widths
+                else self.prior
+            )
+        narrower = self._width_alpha(m - 1)
+        # one more candidate: a draft the narrower tree misses is caught with the prior chance
+        floor = narrower + (1 - narrower) * self.prior
         if m in self._widths:
-            return self._widths[m].mean(self.prior, self.prior_weight)
-        known = [w for w in self._widths if w < m]
-        if known:  # a wider tree keeps at least what a narrower one does
-            return self._widths[max(known)].mean(self.prior, self.prior_weight)
-        return self.prior
+            return max(narrower, self._widths[m].mean(floor, self.prior_weight))
+        return floor
 
     def _probe_due(self) -> bool:
         return self._since + 1 >= self._interval
