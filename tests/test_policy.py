@@ -28,8 +28,6 @@ from kvstate.speculative import (
     tree_of_paths,
 )
 
-from kvstate.speculative._trees import root_to_leaf_paths
-
 from .helpers import ScriptedDrafter
 from .stats import binomial_test, chi2_sf, conditional_chi2
 from .test_mtp_drafter import TargetHead
@@ -37,6 +35,18 @@ from .test_speculative import greedy
 
 ALPHA = 1e-4
 K = 8
+
+
+def leaves(tree: DraftTree) -> list[list[int]]:
+    """A tree's root-to-leaf paths, as tokens."""
+    out = []
+    for leaf in (i for i in range(len(tree.tokens)) if i not in set(tree.parents)):
+        path, at = [], leaf
+        while at != -1:
+            path.append(tree.tokens[at])
+            at = tree.parents[at]
+        out.append(path[::-1])
+    return out
 
 
 def linear(slope: float, overhead: float = 0.0) -> FixedCost:
@@ -240,10 +250,10 @@ def test_tree_mode_keeps_the_paths_and_depth_that_pay():
     widths = []
     for _ in range(12):  # from now on the second path is
         kept = policy.tree(tree, 100)
-        widths.append(len(root_to_leaf_paths(kept)))
+        widths.append(len(leaves(kept)))
         policy.observe_tree([1, 2, *([9, 9] if 9 in kept.tokens else [5]), 0][:5])
     assert widths[-1] >= 2 and 9 in kept.tokens, widths
-    assert all(len(p) <= 2 for p in root_to_leaf_paths(policy.tree(tree, 3)))
+    assert all(len(p) <= 2 for p in leaves(policy.tree(tree, 3)))
 
 
 class Chaotic(FixedCost):
@@ -273,7 +283,7 @@ def test_every_drafter_under_random_decisions_gives_the_greedy_tokens(name):
     prompts = [repetitive, [100, 101, 102, 5, 6], [7, 7, 40, 41, 42, 43, 7]]
     n = 24
     truth = [greedy(model, p, n + 9) for p in prompts]
-    drafters = {
+    drafters: dict[str, Any] = {
         "ngram": lambda: NGramDrafter(),
         "scripted": lambda: ScriptedDrafter(truth, 0.6, seed=1),
         "model": lambda: ModelDrafter(wrap(tiny_model(name, scale=3.8))),
