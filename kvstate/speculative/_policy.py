@@ -77,7 +77,7 @@ class CostModel:
     A plain step not yet timed is estimated as the line's intercept over 1 + overhead.
 
     Replace it by any object with `observe(rows, width, seconds)`, `ratio(rows, width)`,
-    `plain_timed(rows)` and `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
+    `plain_timings(rows)` and `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
 
     def __init__(
         self, *, window: int = 9, age: int = 256, overhead: float = 0.1, slope: float = 0.05
@@ -109,9 +109,11 @@ class CostModel:
             self._cache.clear()
         self._cache.pop(rows, None)
 
-    def plain_timed(self, rows: int) -> bool:
-        """Whether a plain step over `rows` rows (or any batch size) has been timed."""
-        return any(0 in t for t in self._times.values())
+    def plain_timings(self, rows: int) -> int:
+        """How many plain steps over `rows` rows (or the nearest batch size timed) are kept."""
+        table = self._times.get(self._nearest(rows), {})
+        return len(table.get(0, ())) or max((len(t.get(0, ())) for t in self._times.values()),
+                                            default=0)  # fmt: skip
 
     def plain_seconds(self, rows: int) -> float | None:
         """A plain step's seconds (lower quartile) over `rows` rows (or the nearest batch size timed)."""
@@ -186,8 +188,8 @@ class FixedCost:
     def observe(self, rows: int, width: int, seconds: float) -> None:
         pass
 
-    def plain_timed(self, rows: int) -> bool:
-        return True
+    def plain_timings(self, rows: int) -> int:
+        return 1 << 30
 
     def plain_seconds(self, rows: int) -> float | None:
         """`plain`: a plain step's seconds, against which proposals are timed (None: no
@@ -314,7 +316,9 @@ class CostAwarePolicy:
         most = max(limits, default=0)
         if most == 0:
             return 0
-        best, _, _ = self._best([[None] * d for d in limits], len(room))
+        best, expected, ratio = self._best([[None] * d for d in limits], len(room))
+        if best and self._calibrating(len(room), expected / ratio):
+            best = 0
         if cheap is None:
             cheap = self._cheap()
         if cheap:
@@ -334,6 +338,8 @@ class CostAwarePolicy:
         row_labels = _labels_of(labels, rows)
         chains = [[row_labels[b]] * usable[b] for b in range(rows)]
         span, expected, ratio = self._best(chains, rows)
+        if span and self._calibrating(rows, expected / ratio):
+            span, expected, ratio = 0, float(rows), 1.0
         probe = False
         if span == 0 and max(usable, default=0) > 0 and self._probe_due():
             span, probe = min(max(usable), 2), True
@@ -479,11 +485,18 @@ class CostAwarePolicy:
             return max(narrower, self._widths[m].mean(floor, self.prior_weight))
         return floor
 
+    def _calibrating(self, rows: int, score: float) -> bool:
+        """Whether to take a plain step to time one (fewer than 3 kept) rather than draft:
+        only where drafting promises under 1.5x a plain step's tokens per unit of time (an
+        untimed plain step is the reference of every ratio; where drafts pay more than
+        that, the estimate from the verifies' line is close enough)."""
+        return self._rounds >= 1 and self.cost.plain_timings(rows) < 3 and score < 1.5 * rows
+
     def _probe_due(self) -> bool:
         return self._since + 1 >= self._interval
 
     def _cheap(self) -> bool:
-        if len(self._propose_times) < 3 or not self.cost.plain_timed(len(self._rows)):
+        if len(self._propose_times) < 3 or not self.cost.plain_timings(len(self._rows)):
             return False
         plain = self.cost.plain_seconds(len(self._rows))
         return plain is not None and statistics.median(self._propose_times) < 0.05 * plain
