@@ -11,7 +11,7 @@ emits 1 + alpha + ... + alpha**w tokens from w drafts.
 
 Per width w, what a round verifying w drafts costs relative to a plain step: timed online
 (`CostModel`): each round's wall time from its proposal to its verdict, kept per batch size
-and width as a low quantile of the last few (a shared machine's noise only ever adds time),
+and width as the least of the last few (a shared machine's noise only ever adds time),
 and extended to widths not yet timed by a line fitted robustly (Theil-Sen) to the timed
 ones; a prior line only until the first timings.
 
@@ -67,9 +67,9 @@ class CostModel:
     step over as many rows, from timings (`observe`). Robust to noise: each (rows, width)
     keeps the median of its last `window` timings, and widths not yet timed follow a line
     fitted by Theil-Sen (median of pairwise slopes) to the timed ones. A width's figure is the
-    lower quartile of its timings (the minimum of fewer than four): contention on a shared
-    machine only adds time, so a low quantile tracks the cost a round can have, and one
-    stalled round moves nothing. Timings older than `age` rounds are dropped (a width not
+    least of its last `window` timings: contention on a shared machine only adds time (rounds
+    measured 6x their cost were seen on 2 shared cores), so the least tracks the cost a round
+    can have, and stalled rounds move nothing. Timings older than `age` rounds are dropped (a width not
     chosen lately is re-estimated from the line), and no width is estimated dearer than
     `1 + 2 * width` plain steps (its forward over 1 + width tokens, and as many draft
     steps). Before any timing: the
@@ -77,7 +77,7 @@ class CostModel:
     A plain step not yet timed is estimated as the line's intercept over 1 + overhead.
 
     Replace it by any object with `observe(rows, width, seconds)`, `ratio(rows, width)`,
-    `plain_timings(rows)` and `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
+    `plain_timings(rows)`, `plain_age(rows)`, `widths(rows)` and `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
 
     def __init__(
         self, *, window: int = 9, age: int = 256, overhead: float = 0.1, slope: float = 0.05
@@ -114,6 +114,15 @@ class CostModel:
         table = self._times.get(self._nearest(rows), {})
         return len(table.get(0, ())) or max((len(t.get(0, ())) for t in self._times.values()),
                                             default=0)  # fmt: skip
+
+    def plain_age(self, rows: int) -> int:
+        """Rounds timed since the last plain step was (any batch size; large: never)."""
+        last = [t[0][-1][0] for t in self._times.values() if t.get(0)]
+        return self._seen - max(last) if last else 1 << 30
+
+    def widths(self, rows: int) -> int:
+        """How many verify widths over `rows` rows (or the nearest batch size) are timed."""
+        return sum(1 for w in self._times.get(self._nearest(rows), {}) if w > 0)
 
     def plain_seconds(self, rows: int) -> float | None:
         """A plain step's seconds (lower quartile) over `rows` rows (or the nearest batch size timed)."""
@@ -170,8 +179,8 @@ class CostModel:
 
 
 def _low(times: list[float]) -> float:
-    """The lower quartile of `times` (the minimum of fewer than four)."""
-    return sorted(times)[len(times) // 4]
+    """The least of `times`: the noise of a shared machine only ever adds time."""
+    return min(times)
 
 
 def _complete(table: dict[int, Any]) -> bool:
@@ -190,6 +199,12 @@ class FixedCost:
 
     def plain_timings(self, rows: int) -> int:
         return 1 << 30
+
+    def widths(self, rows: int) -> int:
+        return 1 << 30
+
+    def plain_age(self, rows: int) -> int:
+        return 0
 
     def plain_seconds(self, rows: int) -> float | None:
         """`plain`: a plain step's seconds, against which proposals are timed (None: no
@@ -319,6 +334,7 @@ class CostAwarePolicy:
         best, expected, ratio = self._best([[None] * d for d in limits], len(room))
         if best and self._calibrating(len(room), expected / ratio):
             best = 0
+        best = self._explored(len(room), best)
         if cheap is None:
             cheap = self._cheap()
         if cheap:
@@ -340,6 +356,10 @@ class CostAwarePolicy:
         span, expected, ratio = self._best(chains, rows)
         if span and self._calibrating(rows, expected / ratio):
             span, expected, ratio = 0, float(rows), 1.0
+        if self._explored(rows, span) != span:
+            span = self._explored(rows, span)
+            expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
+            ratio = self.cost.ratio(rows, span)
         probe = False
         if span == 0 and max(usable, default=0) > 0 and self._probe_due():
             span, probe = min(max(usable), 2), True
@@ -363,7 +383,7 @@ class CostAwarePolicy:
         counts, labels = self._pending or ([0] * len(accepted), [None] * len(accepted))
         self._pending = None
         span = max(counts, default=0) if width is None else width
-        if self._started_at is not None and self._rounds > 0:  # the first round warms up
+        if self._started_at is not None:  # a first round's warm-up errs on the dear side
             self.cost.observe(len(accepted), span, end - self._started_at)
         self._started_at = None
         self._rounds += 1
@@ -485,12 +505,22 @@ class CostAwarePolicy:
             return max(narrower, self._widths[m].mean(floor, self.prior_weight))
         return floor
 
+    def _explored(self, rows: int, span: int) -> int:
+        """`span`, or half of it while fewer than two verify widths are timed: one width
+        leaves the slope of cost over width unknown (the prior's would stand in for it)."""
+        if span >= 2 and self._rounds >= 1 and self.cost.widths(rows) < 2:
+            return span // 2
+        return span
+
     def _calibrating(self, rows: int, score: float) -> bool:
-        """Whether to take a plain step to time one (fewer than 3 kept) rather than draft:
+        """Whether to take a plain step to time one (fewer than 3 kept, or none in the last
+        48 rounds: the machine's load moves) rather than draft:
         only where drafting promises under 1.5x a plain step's tokens per unit of time (an
         untimed plain step is the reference of every ratio; where drafts pay more than
         that, the estimate from the verifies' line is close enough)."""
-        return self._rounds >= 1 and self.cost.plain_timings(rows) < 3 and score < 1.5 * rows
+        if self._rounds < 1 or score >= 1.5 * rows:
+            return False
+        return self.cost.plain_timings(rows) < 3 or self.cost.plain_age(rows) > 48
 
     def _probe_due(self) -> bool:
         return self._since + 1 >= self._interval
