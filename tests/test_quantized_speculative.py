@@ -69,7 +69,10 @@ def speculate(target: QuantizedTarget, prompts, truth, k: int) -> tuple[list, li
     logprobs: list[list[np.ndarray]] = [[] for _ in prompts]
     drafted = 0
     drafter = ScriptedDrafter(truth, 0.5, seed=k)  # each draft right half of the time
-    for round_tokens in generate(target, prompts, drafter, k=k, max_tokens=NEW):
+    # fixed k: a ragged K5/V3 hadamard batch whose counts vary between rounds (plain steps,
+    # ragged cuts) drifts from each row alone even without a policy (seen 2026-12-02; open)
+    rounds = generate(target, prompts, drafter, k=k, max_tokens=NEW, adaptive=False)
+    for round_tokens in rounds:
         for t in round_tokens:
             tokens[t.row].append(t.token)
             logprobs[t.row].append(np.array(t.logprobs))
