@@ -239,7 +239,11 @@ def through_a_wrapped_model() -> None:
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     plain = _collect(generate(target, prompts, max_tokens=12))
     draft = Counted(wrap(HistoryModel(tiny_model("llama", seed=1))))  # another model
-    drafted = _collect(generate(target, prompts, ModelDrafter(draft), k=3, max_tokens=12))
+    # Fixed k (adaptive=False): every round proposes (the default policy's plain steps run
+    # the last token through the draft model, which is no rollback).
+    drafted = _collect(
+        generate(target, prompts, ModelDrafter(draft), k=3, max_tokens=12, adaptive=False)
+    )
     assert drafted == plain, (drafted, plain)
     # The prompts run through the draft model's prefill, then only proposals: every
     # rejected draft was rolled back by one commit of the draft state, none by a plain

@@ -94,7 +94,11 @@ def run(
     seen: set[str] = set()
     drafter = Checked(tiny_model(name, scale=3.0), seen, pipelined)
     out: list[list[int]] = [[] for _ in prompts]
-    rounds = generate(wrap(model), prompts, drafter, k=k, max_tokens=NEW, sampler=sampler)
+    # fixed k: every round proposes k (the policy's plain steps would re-run the draft model
+    # over the last token, which is what they must do, not a rollback to count)
+    rounds = generate(
+        wrap(model), prompts, drafter, k=k, max_tokens=NEW, sampler=sampler, adaptive=False
+    )
     for tokens in rounds:
         for t in tokens:
             out[t.row].append(t.token)

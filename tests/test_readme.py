@@ -81,6 +81,14 @@ def test_readme_options_example_runs_alone(capsys):
     assert len(tokens) == 24
 
 
+def test_readme_policy_example_runs_alone(capsys):
+    """The drafting policy's estimates, and the same tokens under scripted costs."""
+    block = blocks_in("## The speculative generator")[2]
+    assert "CostAwarePolicy" in block
+    run_alone(block)
+    assert "Decision(" in capsys.readouterr().out
+
+
 def test_readme_continuation_example_runs_alone():
     namespace = run_alone(code_after("## Continuing from a state", "python"))
     assert len(namespace["said"]) == 8 and namespace["history"][:4] == [3, 17, 42, 99]

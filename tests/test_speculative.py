@@ -13,6 +13,8 @@ import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import (
+    CostAwarePolicy,
+    FixedCost,
     ModelDrafter,
     NGramDrafter,
     Proposal,
@@ -34,10 +36,10 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
-def run(target, prompts, drafter, k: int) -> tuple[list[list[int]], int]:
+def run(target, prompts, drafter, k: int, adaptive: bool = True) -> tuple[list[list[int]], int]:
     out: list[list[int]] = [[] for _ in prompts]
     drafted = 0
-    for tokens in generate(target, prompts, drafter, k=k, max_tokens=NEW):
+    for tokens in generate(target, prompts, drafter, k=k, max_tokens=NEW, adaptive=adaptive):
         for t in tokens:
             out[t.row].append(t.token)
             drafted += t.from_draft
@@ -74,9 +76,11 @@ def test_prompts_of_one_length_prefill_as_one_batch_and_decode_like_greedy(name,
         return original(self, tokens, state, **kw)
 
     monkeypatch.setattr(type(target), "__call__", counted)
-    out, drafted = run(target, prompts, ScriptedDrafter(truth, 0.5), 4)
+    out, drafted = run(target, prompts, ScriptedDrafter(truth, 0.5), 4, adaptive=False)
     assert out == [t[:NEW] for t in truth]
-    assert widths[0] == (3, 5) and (1, 5) not in widths  # verifies are (3, 5) too
+    # verifies are (3, 5) too, until rows end (then fewer rows, never one call per row)
+    rows = [b for b, _ in widths]
+    assert widths[0] == (3, 5) and rows == sorted(rows, reverse=True)
     assert drafted > 0
 
 
@@ -86,7 +90,7 @@ def test_prompts_of_one_length_prefill_as_one_batch_and_decode_like_greedy(name,
 def test_batch_one_decodes_exactly_like_greedy_for_any_acceptance_and_k(name, p, k):
     model = tiny_model(name)
     truth = [greedy(model, PROMPTS[0], NEW + 9)]
-    out, drafted = run(wrap(model), PROMPTS[:1], ScriptedDrafter(truth, p, seed=k), k)
+    out, drafted = run(wrap(model), PROMPTS[:1], ScriptedDrafter(truth, p, seed=k), k, False)
     assert out == [truth[0][:NEW]]
     if p == 1.0:
         assert drafted >= NEW - NEW // (k + 1) - 1  # every round accepts all k drafts
@@ -351,8 +355,8 @@ def test_a_draft_model_round_reads_the_device_once(monkeypatch, name):
 
 
 def test_the_draft_length_adapts_to_the_acceptance():
-    """adaptive (the default): a round with no draft accepted asks for one fewer next time,
-    a round with every draft accepted one more, between 1 and k."""
+    """adaptive (the default): after rounds with no draft accepted the policy asks for fewer
+    drafts (none, but for probes), and after the drafter recovers for all k again."""
     model = tiny_model("llama", scale=4.0)
     truth = [greedy(model, PROMPTS[0], 40)]
     drafter = ScriptedDrafter(truth, p=0.0)
@@ -365,8 +369,11 @@ def test_the_draft_length_adapts_to_the_acceptance():
         return propose(last, k, sampler)
 
     drafter.propose = scheduled  # type: ignore[method-assign]
-    out = [
-        t.token for r in generate(wrap(model), PROMPTS[:1], drafter, k=3, max_tokens=30) for t in r
-    ]
+    policy = CostAwarePolicy(cost=FixedCost(lambda w: 1.0 + 0.1 * w), probe=2)
+    rounds = generate(wrap(model), PROMPTS[:1], drafter, k=3, max_tokens=30, policy=policy)
+    out = [t.token for r in rounds for t in r]
     assert out == truth[0][:30]
-    assert asked[:7] == [3, 2, 1, 1, 1, 2, 3]
+    # the prior (acceptance 0.5) asks for 2 at these costs, rejections for 1, the drafter's
+    # recovery for all k again
+    # (the last round asks only for what the room left allows)
+    assert asked[:5] == [2, 1, 1, 1, 1] and asked[-5:-1] == [3, 3, 3, 3], asked

@@ -76,6 +76,7 @@ class ScriptedTreeDrafter:
 
 def run(target, drafter, mode: str, k: int = 4, **kwargs) -> tuple[list[int], int]:
     out, drafted = [], 0
+    kwargs.setdefault("adaptive", False)  # whole candidate paths (the policy may cut them)
     for tokens in generate(target, [PROMPT], drafter, k=k, max_tokens=NEW, tree=mode, **kwargs):
         for t in tokens:
             out.append(t.token)

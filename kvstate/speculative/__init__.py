@@ -33,9 +33,10 @@ Glossary: the words for a round's counts, used the same way everywhere in this p
 b of a batch of B; public names that predate it are given with their meaning here):
 
 - `k`: the most drafts a round may use (`generate(k=...)`).
-- depth: the drafts asked for this round (1 .. k; with `adaptive` it grows after a round
-  whose every row accepted all its drafts, and shrinks after one with none accepted);
-  what `Drafter.propose(last, k, sampler)` gets as its `k`.
+- depth: the drafts asked for this round (1 .. k; with `adaptive`, the default, chosen by
+  a `CostAwarePolicy` from each row's acceptance and the timed cost of a verify, which
+  may also cut each row's drafted[b] or take a plain step); what
+  `Drafter.propose(last, k, sampler)` gets as its `k`.
 - budget: the drafts the rows can still use: the most tokens any row still wants, minus
   its next token; a round asks for min(depth, budget) drafts, and none when it is 0.
 - drafted[b]: the drafts row b proposed (`Proposal.counts[b]`; `accept(counts=...)`).
@@ -68,6 +69,7 @@ from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
+from ._policy import CostAwarePolicy, CostModel, Decision, FixedCost
 from ._round import Round, RoundPlan
 from ._row_keys import row_keys, split_row_keys
 from ._row_sampler import RowSampler
@@ -79,10 +81,14 @@ from ._values import DrafterError
 
 __all__ = [
     "ChainTarget",
+    "CostAwarePolicy",
+    "CostModel",
+    "Decision",
     "DraftHead",
     "DraftTree",
     "Drafter",
     "DrafterError",
+    "FixedCost",
     "Generation",
     "MTPDrafter",
     "ModelDrafter",

@@ -53,6 +53,14 @@ class Drafted(Proposal):
         return made
 
 
+def with_counts(proposal: Proposal, counts: list[int]) -> Proposal:
+    """`proposal` verifying only `counts` drafts per row (each at most its own count), of the
+    same class: a Drafted keeps its bound (NamedTuple's `_replace` would drop it)."""
+    if isinstance(proposal, Drafted):
+        return Drafted(proposal.tokens, counts, proposal.probs, proposal.bound)
+    return proposal._replace(counts=counts)
+
+
 class DraftTree(NamedTuple):
     """Candidate drafts of one row as a token tree: `tokens[i]` follows draft `parents[i]`
     (-1: a root, following the row's last token), parents listed before their children.
@@ -73,7 +81,12 @@ class Drafter(Protocol):
     Other drafters are called exactly as below (a drafter without the attribute counts as
     False). A drafter may also say `prefills = True` (it runs a model of its own over the
     prompts in `start`: `ModelDrafter`, `MTPDrafter`): the generator then passes it its
-    chunk size too, `start(prompts, prefill_step_size=n)`."""
+    chunk size too, `start(prompts, prefill_step_size=n)`. And it may state its confidence:
+    after `propose`, `confidence` is a list with one hashable label per row (None: none),
+    by which the drafting policy learns acceptance (`NGramDrafter`: the match's (n,
+    occurrences)). A label must not depend on a sampled draft's own value (the policy's
+    choice of how many drafts to verify would then bias sampled output); deterministic
+    drafters' labels are always fine."""
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """The generator prefilled these prompts (one per row) into the target. `key`: the
@@ -115,7 +128,9 @@ class TreeDrafter(Protocol):
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         """`fed` (1, 1 + the winning path's drafts): the last token and the winning path's
-        drafts (rejected ones included); `kept` [accepted + 1]."""
+        drafts (rejected ones included); `kept` [accepted + 1]. A drafting policy may have
+        verified a subtree (the first paths, cut to a depth): the path is then a prefix of
+        a proposed one, and after a round it cut to nothing (a plain step) `fed` is (1, 1)."""
 
     def keep_rows(self, rows: list[int]) -> None: ...
 

@@ -27,12 +27,13 @@ from ._checks import (
     checked_tree,
     start_keywords,
 )
-from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden
+from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden, with_counts
 from ._emit import Token, cut, finish, logprobs_of
 from ._generation import Counts, Finals, Generation
 from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
 from ._linear_round import Stops, linear_round, plain_step
 from ._plain import decode
+from ._policy import CostAwarePolicy
 from ._prefill import PREFILL_STEP, prefill
 from ._processors import Processor, Processors
 from ._replay import commit_may_be_refused
@@ -48,11 +49,12 @@ def generate(
     prompts: Any,
     drafter: Drafter | TreeDrafter | None = None,
     *,
-    k: int = 4,
+    k: int = 8,
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     eos: Sequence[int] = (),
     adaptive: bool = True,
+    policy: CostAwarePolicy | None = None,
     seed: int = 0,
     tree: str | None = None,
     prefill_step_size: int = PREFILL_STEP,
@@ -77,9 +79,16 @@ def generate(
     temperature, exact speculative sampling keeps every token distributed as the target
     alone would sample it. A row stops at `max_tokens` (0: nothing is generated; the
     prompts are still prefilled, as mlx-lm's `generate_step` does, so `keep_states` gives
-    them as a prompt cache) or after an `eos` token. With `adaptive`, the depth grows by
-    one after a round whose drafts were all accepted and shrinks by one after a round with
-    none accepted (between 1 and `k`).
+    them as a prompt cache) or after an `eos` token.
+
+    `adaptive` (the default): each round a `CostAwarePolicy` (`policy`, or a fresh one)
+    chooses how many drafts each row verifies, 0 .. `k` (0 for every row: a plain step, the
+    drafter not even asked when its drafts do not pay), and in tree mode how wide and deep a
+    tree, to maximise the expected tokens per unit of time: from each row's recent
+    acceptance, the drafter's confidence (`NGramDrafter`'s match lengths) and the cost of a
+    verify relative to a plain step, timed online. It only chooses how much to propose, so
+    the output is unchanged. Its estimates: `Generation.policy` (`acceptance`,
+    `cost_ratio(w)`, `last`). `adaptive=False`: every round asks for `k` drafts.
 
     `tree`: verify several candidate continuations per round, from the drafter's
     `propose_tree` (one prompt only): "tree" in one forward over one copy of the state with a
@@ -128,6 +137,9 @@ def generate(
     """
     finals = Finals(target) if keep_states is True else None
     counts = Counts()
+    chosen = policy
+    if policy is None and adaptive is True and drafter is not None:
+        chosen = CostAwarePolicy()
     rounds = _rounds(
         target,
         prompts,
@@ -137,6 +149,7 @@ def generate(
         sampler=sampler,
         eos=eos,
         adaptive=adaptive,
+        policy=chosen,
         seed=seed,
         tree=tree,
         prefill_step_size=prefill_step_size,
@@ -154,7 +167,7 @@ def generate(
             "quantized_kv_start": quantized_kv_start,
         },
     )
-    return Generation(rounds, finals, counts)
+    return Generation(rounds, finals, counts, chosen)
 
 
 def _rounds(
@@ -167,6 +180,7 @@ def _rounds(
     sampler: Sampler | None,
     eos: Sequence[int],
     adaptive: bool,
+    policy: CostAwarePolicy | None,
     seed: int,
     tree: str | None,
     prefill_step_size: int,
@@ -179,6 +193,7 @@ def _rounds(
     call = checked_call(target, prompts, drafter, k=k, max_tokens=max_tokens, sampler=sampler,
                         eos=eos, adaptive=adaptive, seed=seed, tree=tree)  # fmt: skip
     prompts, sampler, eos, abilities = call
+    policy = _policy_of(adaptive, policy, drafter)
     if prompt_progress is not None and not callable(prompt_progress):
         raise StateError(
             "generate: prompt_progress must be a callable (processed, total) or None; got "
@@ -248,7 +263,8 @@ def _rounds(
     ]
     done = finish(out, live.emitted, max_tokens, eos)
     process = None if processors is None else processors.verify
-    depth = k
+    if policy is not None:
+        policy.begin(len(live.rows))
     while True:
         if finals is not None:
             live.record(finals, done, out)
@@ -262,6 +278,8 @@ def _rounds(
         if len(alive) < len(live.rows):
             live.keep(alive)
             drafter.keep_rows(alive)
+            if policy is not None:
+                policy.keep(alive)
             if processors is not None:
                 processors.keep(alive)
         # Drafts past every row's budget would be verified only to be cut (mlx-lm too drafts
@@ -269,14 +287,25 @@ def _rounds(
         room = [max_tokens - e for e in live.emitted]
         budget = max(room) - 1
         proposal = candidates = None
-        asked = min(depth, budget) if budget > 0 else 0
-        if budget > 0 and tree is None:
+        asked = min(k, budget) if budget > 0 else 0
+        if policy is not None and budget > 0:
+            asked = policy.depth(k, room, cheap=True if tree is not None else None)
+        if asked > 0 and tree is None:
             proposed = cast(Drafter, drafter).propose(Made(live.last), asked, sampler)
             proposal = checked_proposal(proposed, len(live.last), asked, k, vocab)
-        elif budget > 0:
+            if policy is not None:
+                cut = policy.cut(proposal.counts, room, getattr(drafter, "confidence", None))
+                if cut != proposal.counts:  # fewer drafts verified: the proposal re-cut
+                    proposed = with_counts(proposed, cut)
+                    proposal = checked_proposal(proposed, len(live.last), max(cut), k, vocab)
+        elif asked > 0:
             tree_drafter = cast(TreeDrafter, drafter)
             proposed_tree = tree_drafter.propose_tree(live.last[0], asked, sampler)
             candidates = pruned_at_ends(checked_tree(proposed_tree, asked, k), eos)
+            if policy is not None:
+                candidates = policy.tree(candidates, room[0])
+        elif policy is not None:
+            policy.plain(len(live.rows))
         key, sub = round_key(sampler, key)
         r: Round
         if candidates is not None and candidates.tokens:
@@ -302,11 +331,33 @@ def _rounds(
             agree(decided, group, what="the rows, accepted counts and next tokens")
         if budget > 0:  # budget 0: every row ends with this round
             drafter.accept(r.fed, Made(r.kept), **({"hidden": r.hidden} if hidden else {}))
-        if adaptive and r.span:
-            depth = _adapted(depth, k, r.accepted, r.span)
+        if policy is not None and candidates is not None:
+            policy.observe_tree([*r.drafts[0][: r.accepted[0]], r.next_tokens[0]])
+        elif policy is not None:
+            policy.observe(r.accepted)
         out = live.emit(r, max_tokens, eos)
         done = finish(out, live.emitted, max_tokens, eos, live.rows)
         live.last = r.next_tokens
+
+
+def _policy_of(adaptive: Any, policy: Any, drafter: Any) -> CostAwarePolicy | None:
+    """The generation's drafting policy: `policy`, or a fresh `CostAwarePolicy` when
+    `adaptive`; None for fixed k (`adaptive=False`) or without a drafter."""
+    if not isinstance(adaptive, bool):
+        raise StateError(f"generate: adaptive must be a bool; got {adaptive!r}")
+    if policy is not None and not isinstance(policy, CostAwarePolicy):
+        raise StateError(
+            f"generate: policy must be a kvstate.speculative.CostAwarePolicy or None; got a "
+            f"{type(policy).__name__}"
+        )
+    if policy is not None and not adaptive:
+        raise StateError(
+            "generate: adaptive=False verifies k drafts every round; it takes no policy "
+            "(drop policy=, or adaptive=False)"
+        )
+    if drafter is None or not adaptive:
+        return None
+    return CostAwarePolicy() if policy is None else policy
 
 
 def _drafted(proposal: Any) -> int:
@@ -423,16 +474,6 @@ class _Rows:
             tokens.append(Token(row, r.next_tokens[i], logprobs[i, a], False))
             out += cut(tokens, self.emitted[i], max_tokens, eos)
         return out
-
-
-def _adapted(depth: int, k: int, accepted: list[int], span: int) -> int:
-    """The next round's depth: one more after a round whose every row accepted all `span`
-    drafts, one fewer after a round with none accepted (between 1 and k)."""
-    if all(a == span for a in accepted):
-        return min(k, depth + 1)
-    if not any(accepted):
-        return max(1, depth - 1)
-    return depth
 
 
 def _check_tree_mode(

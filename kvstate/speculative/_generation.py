@@ -109,9 +109,14 @@ class Generation(Iterator[list[Token]]):
     """
 
     def __init__(
-        self, rounds: Iterator[list[Token]], finals: Finals | None, counts: Counts | None = None
+        self,
+        rounds: Iterator[list[Token]],
+        finals: Finals | None,
+        counts: Counts | None = None,
+        policy: Any = None,
     ) -> None:
         self._rounds = rounds
+        self._policy = policy
         self._finals = finals
         self._counts = counts or Counts()
         self._started = False
@@ -125,6 +130,13 @@ class Generation(Iterator[list[Token]]):
     def accepted(self) -> int:
         """The drafts the target accepted so far, every row's."""
         return self._counts.accepted
+
+    @property
+    def policy(self) -> Any:
+        """The drafting policy (`CostAwarePolicy`) choosing each round's drafts, with its
+        estimates (`acceptance` per row, `cost_ratio(width)`, `last` decision); None for a
+        fixed k (`adaptive=False`) or plain decoding."""
+        return self._policy
 
     def __iter__(self) -> Generation:
         return self

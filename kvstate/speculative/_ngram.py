@@ -51,6 +51,10 @@ class NGramDrafter:
         self.index: list[dict[tuple[int, ...], list[int]]] = []
         self._started = False
         self._top = 0  # the largest id any row's history holds
+        self.confidence: list[tuple[int, int] | None] = []
+        """After `propose`, per row: (n, occurrences) of the n-gram its drafts follow (its
+        length, and how many of its latest `branches` occurrences are indexed), None where
+        nothing matched: what a drafting policy learns acceptance by."""
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """Index `prompts` (one per row). `key` is taken and unused: the lookup draws
@@ -77,11 +81,13 @@ class NGramDrafter:
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         last = self._checked("NGramDrafter.propose", last, k)
-        drafts, counts = [], []
+        drafts, counts, confidence = [], [], []
         for row, token in enumerate(last):
-            found = self._lookup(row, token, k)
+            found, label = self._lookup(row, token, k)
             counts.append(len(found))
             drafts.append(found + [0] * (k - len(found)))
+            confidence.append(label)
+        self.confidence = confidence
         # Every draft is an id of some row's history (or the filler 0): below `_top + 1`.
         return Drafted(mx.array(drafts, mx.int32), counts, None, self._top + 1)
 
@@ -119,8 +125,17 @@ class NGramDrafter:
         checked_depth(k, where, low=0)
         return checked_last(last, rows, None, where)
 
-    def _lookup(self, row: int, token: int, k: int) -> list[int]:
-        return next(self._matches(row, token, k), [])
+    def _lookup(self, row: int, token: int, k: int) -> tuple[list[int], tuple[int, int] | None]:
+        """The drafts after the longest latest match, and its (n, occurrences)."""
+        history, index = self.history[row], self.index[row]
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if n - 1 > len(history):
+                continue
+            gram = (*history[len(history) - (n - 1) :], token)
+            ends = index.get(gram)
+            if ends:
+                return [*history[ends[-1] : ends[-1] + k], token][:k], (n, len(ends))
+        return [], None
 
     def _matches(self, row: int, token: int, k: int) -> Iterator[list[int]]:
         """What followed each indexed occurrence of the row's last n tokens, longest n first,

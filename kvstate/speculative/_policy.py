@@ -1,0 +1,556 @@
+"""The cost-aware drafting policy: how many drafts each round verifies (0: a plain step), and
+in tree mode how wide a tree, chosen to maximise the expected tokens per unit of time.
+
+Per row, a running estimate of the drafter's per-draft acceptance (the chance that a draft
+is accepted given the ones before it were): a Beta posterior over its recent drafts (older
+ones weigh `memory` per draft verified since), refined by the drafter's confidence where it states one
+(`Drafter.confidence`: a label per row, e.g. the n-gram match's length and count: a row's
+acceptance after a label is learnt from its own drafts of that label, starting from every
+row's). A row that expects `alpha` per draft
+emits 1 + alpha + ... + alpha**w tokens from w drafts.
+
+Per width w, what a round verifying w drafts costs relative to a plain step: timed online
+(`CostModel`): each round's wall time from its proposal to its verdict, kept per batch size
+and width as the least of the last few (a shared machine's noise only ever adds time),
+and extended to widths not yet timed by a line fitted robustly (Theil-Sen) to the timed
+ones; a prior line only until the first timings.
+
+A verify feeds every row 1 + span tokens, so a round's cost is set by its widest row: the
+round picks the span w maximising sum over rows of E[tokens of row b | min(w, drafted[b])]
+divided by cost(w), and every row drafts up to w. The held-back rows (span 0) probe on
+rounds spaced `probe`, 2 * `probe`, ... rounds apart (doubling after a probe whose drafts were
+all rejected, back to `probe` after one that kept some), so the policy resumes drafting when
+the drafter recovers.
+
+Exact by construction: the policy only chooses how many of the drafts to verify, from what
+happened in earlier rounds and the drafter's deterministic confidence (never from a sampled
+draft's own probability), so every token is still the target's (greedy) or distributed as
+the target's (sampling).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+from .. import StateError
+from ._drafter import DraftTree
+from ._trees import root_to_leaf_paths, tree_of_paths
+
+Clock = Callable[[], float]
+
+
+class Decision(NamedTuple):
+    """What the policy chose for a round, and why.
+
+    asked: the depth the drafter was asked for (0: not asked; a plain step).
+    counts: the drafts each row verifies (after the policy's cut).
+    span: max(counts): the verify's width (0: a plain step); a tree round: its nodes.
+    expected: the expected tokens of the round (all rows), for that span.
+    ratio: the estimated cost of the round relative to a plain step.
+    probe: whether it was a probe of held-back rows.
+    """
+
+    asked: int
+    counts: list[int]
+    span: int
+    expected: float
+    ratio: float
+    probe: bool
+
+
+class CostModel:
+    """The cost of a round that verifies `width` drafts over `rows` rows, relative to a plain
+    step over as many rows, from timings (`observe`). Robust to noise: each (rows, width)
+    keeps the median of its last `window` timings, and widths not yet timed follow a line
+    fitted by Theil-Sen (median of pairwise slopes) to the timed ones. A width's figure is the
+    least of its last `window` timings: contention on a shared machine only adds time (rounds
+    measured 6x their cost were seen on 2 shared cores), so the least tracks the cost a round
+    can have, and stalled rounds move nothing. Timings older than `age` rounds are dropped (a width not
+    chosen lately is re-estimated from the line), and no width is estimated dearer than
+    `1 + 2 * width` plain steps (its forward over 1 + width tokens, and as many draft
+    steps). Before any timing: the
+    prior `1 + overhead + slope * width`; with one width timed, the prior's shape scaled to it.
+    A plain step not yet timed is estimated as the line's intercept over 1 + overhead.
+
+    Replace it by any object with `observe(rows, width, seconds)`, `ratio(rows, width)`,
+    `plain_timings(rows)`, `plain_age(rows)`, `widths(rows)` and `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
+
+    def __init__(
+        self, *, window: int = 9, age: int = 256, overhead: float = 0.1, slope: float = 0.05
+    ) -> None:
+        if window < 1 or age < 1 or overhead < 0 or slope < 0:
+            raise StateError(
+                f"CostModel: need window >= 1, age >= 1, overhead >= 0, slope >= 0; got "
+                f"{window}, {age}, {overhead}, {slope}"
+            )
+        self.window, self.age, self.overhead, self.slope = window, age, overhead, slope
+        self._times: dict[int, dict[int, deque[tuple[int, float]]]] = {}
+        self._cache: dict[int, tuple[float | None, float | None, float | None]] = {}
+        self._seen = 0
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A round over `rows` rows that verified `width` drafts took `seconds`."""
+        if not seconds > 0:  # a clock that did not move (or went back): nothing learned
+            return
+        self._seen += 1
+        table = self._times.setdefault(rows, {})
+        table.setdefault(width, deque(maxlen=self.window)).append((self._seen, float(seconds)))
+        if self._seen % 16 == 0:  # drop what is too old, now and then
+            for t in self._times.values():
+                for w in list(t):
+                    while t[w] and t[w][0][0] <= self._seen - self.age:
+                        t[w].popleft()
+                    if not t[w]:
+                        del t[w]
+            self._cache.clear()
+        self._cache.pop(rows, None)
+
+    def plain_timings(self, rows: int) -> int:
+        """How many plain steps over `rows` rows (or the nearest batch size timed) are kept."""
+        table = self._times.get(self._nearest(rows), {})
+        return len(table.get(0, ())) or max((len(t.get(0, ())) for t in self._times.values()),
+                                            default=0)  # fmt: skip
+
+    def plain_age(self, rows: int) -> int:
+        """Rounds timed since the last plain step was (any batch size; large: never)."""
+        last = [t[0][-1][0] for t in self._times.values() if t.get(0)]
+        return self._seen - max(last) if last else 1 << 30
+
+    def widths(self, rows: int) -> int:
+        """How many verify widths over `rows` rows (or the nearest batch size) are timed."""
+        return sum(1 for w in self._times.get(self._nearest(rows), {}) if w > 0)
+
+    def plain_seconds(self, rows: int) -> float | None:
+        """A plain step's seconds (lower quartile) over `rows` rows (or the nearest batch size timed)."""
+        return self._fit(self._nearest(rows))[0]
+
+    def ratio(self, rows: int, width: int) -> float:
+        """cost(width) / cost(plain step), >= 1 (1 for width 0)."""
+        if width <= 0:
+            return 1.0
+        plain, a, b = self._fit(self._nearest(rows))
+        prior = 1.0 + self.overhead + self.slope * width
+        if a is None or b is None:
+            return prior
+        if plain is None:
+            plain = a / (1.0 + self.overhead)
+        return min(1.0 + 2.0 * width, max(1.0, (a + b * width) / plain))
+
+    def _nearest(self, rows: int) -> int:
+        """The batch size whose timings stand for `rows`: itself once it has a plain step and
+        a verify timed, else the nearest one that has, else itself."""
+        if _complete(self._times.get(rows, {})):
+            return rows
+        complete = [r for r, t in self._times.items() if _complete(t)]
+        if complete:
+            return min(complete, key=lambda r: (abs(r - rows), r))
+        return rows
+
+    def _fit(self, rows: int) -> tuple[float | None, float | None, float | None]:
+        """(plain-step median or None, intercept, slope) for `rows`' verify widths."""
+        if rows in self._cache:
+            return self._cache[rows]
+        table = self._times.get(rows, {})
+        medians = {w: _low([x for _, x in t]) for w, t in table.items() if t}
+        plain = medians.pop(0, None)
+        if not medians:
+            fit: tuple[float | None, float | None, float | None] = (plain, None, None)
+            if plain is not None:  # the prior's shape on the timed plain step
+                fit = (plain, plain * (1 + self.overhead), plain * self.slope)
+        elif len(medians) == 1:
+            ((w, t),) = medians.items()
+            g = 1.0 + self.overhead + self.slope * w
+            b = t * self.slope / g
+            fit = (plain, t - b * w, b)
+        else:
+            ws = sorted(medians)
+            slopes = [
+                (medians[j] - medians[i]) / (j - i) for x, i in enumerate(ws) for j in ws[x + 1 :]
+            ]
+            b = max(0.0, statistics.median(slopes))
+            a = statistics.median(medians[w] - b * w for w in ws)
+            fit = (plain, a, b)
+        self._cache[rows] = fit
+        return fit
+
+
+def _low(times: list[float]) -> float:
+    """The least of `times`: the noise of a shared machine only ever adds time."""
+    return min(times)
+
+
+def _complete(table: dict[int, Any]) -> bool:
+    return 0 in table and any(w > 0 for w in table)
+
+
+class FixedCost:
+    """A cost model with given ratios (`ratio(width)` -> cost relative to a plain step), for
+    tests and for users who measured their own; timings are ignored."""
+
+    def __init__(self, ratio: Callable[[int], float], plain: float | None = None) -> None:
+        self._ratio, self._plain = ratio, plain
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        pass
+
+    def plain_timings(self, rows: int) -> int:
+        return 1 << 30
+
+    def widths(self, rows: int) -> int:
+        return 1 << 30
+
+    def plain_age(self, rows: int) -> int:
+        return 0
+
+    def plain_seconds(self, rows: int) -> float | None:
+        """`plain`: a plain step's seconds, against which proposals are timed (None: no
+        drafter counts as cheap)."""
+        return self._plain
+
+    def ratio(self, rows: int, width: int) -> float:
+        return 1.0 if width <= 0 else float(self._ratio(width))
+
+
+class _Rate:
+    """A decayed Beta posterior of a per-draft acceptance: `hits` of `tries`."""
+
+    __slots__ = ("hits", "tries")
+
+    def __init__(self) -> None:
+        self.hits = 0.0
+        self.tries = 0.0
+
+    def add(self, hits: float, tries: float, memory: float) -> None:
+        """`hits` of `tries` more, the old ones weighed `memory` per new try."""
+        fade = memory**tries
+        self.hits = self.hits * fade + hits
+        self.tries = self.tries * fade + tries
+
+    def mean(self, prior: float, weight: float) -> float:
+        return (self.hits + prior * weight) / (self.tries + weight)
+
+
+class CostAwarePolicy:
+    """Chooses each round how many drafts to verify, per row (see the module docstring), and
+    keeps what it measured: `acceptance` (per row), `cost_ratio(width)`, `last` (a
+    `Decision`). One policy serves one generation at a time (`generate` starts it); its cost
+    timings carry over to the next generation on the same model and machine.
+
+    `cost`: a `CostModel` (default) or any object like it (`FixedCost` in tests); `clock`: the
+    time source (seconds), injectable for tests; `memory`: the weight of a row's older
+    drafts per draft verified since (0.9: about the last ten count); `prior` / `prior_weight`: a new row's acceptance belief
+    (its mean and its weight in draft tries); `probe`: rounds between probes of held-back
+    rows (doubling after a failed probe, up to `probe_most`)."""
+
+    def __init__(
+        self,
+        *,
+        cost: Any = None,
+        clock: Clock = time.perf_counter,
+        memory: float = 0.9,
+        prior: float = 0.5,
+        prior_weight: float = 1.0,
+        probe: int = 8,
+        probe_most: int = 64,
+    ) -> None:
+        if not (
+            0 <= memory < 1 and 0 < prior < 1 and prior_weight > 0 and 1 <= probe <= probe_most
+        ):
+            raise StateError(
+                "CostAwarePolicy: need 0 <= memory < 1, 0 < prior < 1, prior_weight > 0, "
+                f"1 <= probe <= probe_most; got memory={memory}, prior={prior}, "
+                f"prior_weight={prior_weight}, probe={probe}, probe_most={probe_most}"
+            )
+        self.cost = CostModel() if cost is None else cost
+        self.clock = clock
+        self.memory, self.prior, self.prior_weight = memory, prior, prior_weight
+        self.probe, self.probe_most = probe, probe_most
+        self.last: Decision | None = None
+        self._rows: list[_Rate] = []
+        self._row_labels: list[dict[Hashable, _Rate]] = []  # per row, per label
+        self._labels: dict[Hashable, _Rate] = {}  # acceptance per drafter confidence label
+        self._widths: dict[int, _Rate] = {}  # tree mode: per tree width (paths kept)
+        self._interval = probe
+        self._since = 0  # rounds since a row last verified drafts
+        self._rounds = 0
+        self._started_at: float | None = None
+        self._proposed_at: float | None = None
+        self._propose_times: deque[float] = deque(maxlen=9)
+        self._pending: tuple[list[int], list[Any]] | None = None
+        self._tree_paths: list[list[int]] | None = None
+
+    # -- the batch ---------------------------------------------------------------------
+
+    def begin(self, rows: int) -> None:
+        """A generation of `rows` rows starts: fresh acceptance estimates (the costs stay)."""
+        self._rows = [_Rate() for _ in range(rows)]
+        self._row_labels = [{} for _ in range(rows)]
+        self._interval, self._since, self._rounds = self.probe, 0, 0
+        self._pending = self._tree_paths = None
+        self.last = None
+
+    def join(self, n: int) -> None:
+        """`n` rows join the batch, after the current ones."""
+        self._rows += [_Rate() for _ in range(n)]
+        self._row_labels += [{} for _ in range(n)]
+
+    def keep(self, alive: Sequence[int]) -> None:
+        """Only the rows at positions `alive` stay, in this order."""
+        self._rows = [self._rows[i] for i in alive]
+        self._row_labels = [self._row_labels[i] for i in alive]
+
+    # -- what it measured ----------------------------------------------------------------
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Each row's estimated per-draft acceptance (the chance a draft is accepted after
+        the ones before it were)."""
+        return [self._alpha(b, None) for b in range(len(self._rows))]
+
+    def cost_ratio(self, width: int, rows: int | None = None) -> float:
+        """The estimated cost of a round verifying `width` drafts over `rows` rows (default:
+        the current batch) relative to a plain step."""
+        return self.cost.ratio(len(self._rows) if rows is None else rows, width)
+
+    # -- a round -------------------------------------------------------------------------
+
+    def depth(self, k: int, room: Sequence[int], *, cheap: bool | None = None) -> int:
+        """Before the proposal: the depth to ask the drafter for (0: do not ask; the round is
+        a plain step). `k`: the most drafts a round may use; `room[b]`: the tokens row b may
+        still emit. A drafter whose proposals take under 5% of a plain step (timed; `cheap`
+        overrides) is asked for every draft the rows can use, and `cut` decides with its
+        confidence; any other is asked for the best depth by the rows' acceptance alone (or
+        none, but on probe rounds)."""
+        self._started_at = self.clock()
+        self._proposed_at = None
+        limits = [max(0, min(k, r - 1)) for r in room]
+        most = max(limits, default=0)
+        if most == 0:
+            return 0
+        best, expected, ratio = self._best([[None] * d for d in limits], len(room))
+        if best and self._calibrating(len(room), expected / ratio):
+            best = 0
+        best = self._explored(len(room), best)
+        if cheap is None:
+            cheap = self._cheap()
+        if cheap:
+            return most
+        if best == 0 and self._probe_due():
+            return min(most, 2)
+        return best
+
+    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]:
+        """After the proposal: the drafts each row verifies (`counts[b]`: row b's drafts;
+        `labels`: the drafter's confidence per row, or None). Records the `Decision`."""
+        self._proposed_at = self.clock()
+        if self._started_at is not None:
+            self._propose_times.append(self._proposed_at - self._started_at)
+        rows = len(counts)
+        usable = [max(0, min(c, r - 1)) for c, r in zip(counts, room, strict=True)]
+        row_labels = _labels_of(labels, rows)
+        chains = [[row_labels[b]] * usable[b] for b in range(rows)]
+        span, expected, ratio = self._best(chains, rows)
+        if span and self._calibrating(rows, expected / ratio):
+            span, expected, ratio = 0, float(rows), 1.0
+        if self._explored(rows, span) != span:
+            span = self._explored(rows, span)
+            expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
+            ratio = self.cost.ratio(rows, span)
+        probe = False
+        if span == 0 and max(usable, default=0) > 0 and self._probe_due():
+            span, probe = min(max(usable), 2), True
+            expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
+            ratio = self.cost.ratio(rows, span)
+        out = [min(u, span) for u in usable]
+        self.last = Decision(max(counts, default=0), out, span, expected, ratio, probe)
+        self._pending = (out, row_labels)
+        return out
+
+    def plain(self, rows: int) -> None:
+        """The round is a plain step (nothing asked or nothing drafted)."""
+        self.last = Decision(0, [0] * rows, 0, float(rows), 1.0, False)
+        self._pending = ([0] * rows, [None] * rows)
+
+    def observe(self, accepted: Sequence[int], width: int | None = None) -> None:
+        """After the verify: row b accepted `accepted[b]` of the drafts it verified; `width`:
+        the verify's width when not the decision's span (a tree round: its nodes). Updates
+        the estimates and times the round."""
+        end = self.clock()
+        counts, labels = self._pending or ([0] * len(accepted), [None] * len(accepted))
+        self._pending = None
+        span = max(counts, default=0) if width is None else width
+        if self._started_at is not None:  # a first round's warm-up errs on the dear side
+            self.cost.observe(len(accepted), span, end - self._started_at)
+        self._started_at = None
+        self._rounds += 1
+        if span == 0:
+            self._since += 1
+            return
+        probe = self.last is not None and self.last.probe
+        self._since = 0
+        for b, (d, a) in enumerate(zip(counts, accepted, strict=True)):
+            if d == 0:
+                continue
+            tries = a + (1 if a < d else 0)
+            self._rows[b].add(a, tries, self.memory)
+            if labels[b] is not None:
+                self._labels.setdefault(labels[b], _Rate()).add(a, tries, 0.99)
+                mine = self._row_labels[b].setdefault(labels[b], _Rate())
+                mine.add(a, tries, self.memory)
+        if probe:
+            kept = sum(accepted)
+            self._interval = self.probe if kept else min(self.probe_most, 2 * self._interval)
+
+    # -- tree mode ------------------------------------------------------------------------
+
+    def tree(self, tree: DraftTree, room: int) -> DraftTree:
+        """After a tree proposal (batch 1): the subtree to verify, its first m paths cut at
+        depth d, (m, d) maximising expected tokens over cost (empty: a plain step). The
+        expected tokens of m paths follow the per-draft acceptance learnt for trees of m
+        paths (every tree round also tells what its narrower subtrees would have kept)."""
+        self._proposed_at = self.clock()
+        paths = root_to_leaf_paths(tree) if tree.tokens else []
+        most = max(0, room - 1)
+        paths = [p[:most] for p in paths if most > 0]
+        best: tuple[float, int, int, int, float] = (1.0, 0, 0, 0, 1.0)
+        for m in range(1, len(paths) + 1):
+            alpha = self._width_alpha(m)
+            for d in range(1, max(len(p) for p in paths[:m]) + 1):
+                nodes = len(tree_of_paths([p[:d] for p in paths[:m]])[0])
+                expected = 1.0 + sum(alpha**i for i in range(1, d + 1))
+                ratio = self.cost.ratio(1, nodes)
+                if expected / ratio > best[0] * (1 + 1e-9):
+                    best = (expected / ratio, m, d, nodes, ratio)
+        _, m, d, nodes, ratio = best
+        probe = False
+        if m == 0 and paths and self._probe_due():
+            m, d, probe = len(paths), min(2, max(len(p) for p in paths)), True
+            nodes = len(tree_of_paths([p[:d] for p in paths])[0])
+            ratio = self.cost.ratio(1, nodes)
+        kept = [p[:d] for p in paths[:m]]
+        self._tree_paths = kept
+        expected = 1.0 + sum(self._width_alpha(max(m, 1)) ** i for i in range(1, d + 1))
+        self.last = Decision(len(tree.tokens), [nodes], nodes, expected if m else 1.0,
+                             ratio if m else 1.0, probe)  # fmt: skip
+        self._pending = ([nodes], [None])
+        return DraftTree(*tree_of_paths(kept))
+
+    def observe_tree(self, emitted: Sequence[int]) -> None:
+        """After a tree round: `emitted`, its accepted drafts then its next token. Every
+        narrower subtree's acceptance is known from it (the target's tokens are)."""
+        paths, self._tree_paths = self._tree_paths or [], None
+        nodes = len(tree_of_paths(paths)[0]) if paths else 0
+        self.observe([len(emitted) - 1], width=nodes)
+        for m in range(1, len(paths) + 1):
+            d = max(len(p) for p in paths[:m])
+            a = max(_common(p, emitted) for p in paths[:m])
+            self._widths.setdefault(m, _Rate()).add(a, a + (1 if a < d else 0), self.memory)
+
+    # -- the rule --------------------------------------------------------------------------
+
+    def _best(self, chains: list[list[Any]], rows: int) -> tuple[int, float, float]:
+        """The span maximising expected tokens / cost over `chains` (row b's draft labels),
+        with its expected tokens and cost ratio."""
+        most = max((len(c) for c in chains), default=0)
+        best = (0, float(rows), 1.0)
+        score = float(rows)
+        for w in range(1, most + 1):
+            expected = sum(self._expected(b, c[:w]) for b, c in enumerate(chains))
+            ratio = self.cost.ratio(rows, w)
+            if expected / ratio > score * (1 + 1e-9):
+                best, score = (w, expected, ratio), expected / ratio
+        return best
+
+    def _expected(self, row: int, labels: list[Any]) -> float:
+        """Row `row`'s expected tokens from drafts with these labels (and its next token)."""
+        total, chance = 1.0, 1.0
+        for label in labels:
+            chance *= self._alpha(row, label)
+            total += chance
+        return total
+
+    def _alpha(self, row: int, label: Any) -> float:
+        """Row `row`'s per-draft acceptance: without a label (or one never verified), its
+        own; with a label, its own drafts of that label, shrunk toward every row's drafts of
+        that label (a hierarchical prior: a new label on a row is what it is elsewhere)."""
+        if row >= len(self._rows):
+            return self.prior
+        if label is None or label not in self._labels:
+            alpha = self._rows[row].mean(self.prior, self.prior_weight)
+        else:
+            overall = self._labels[label].mean(self.prior, self.prior_weight)
+            mine = self._row_labels[row].get(label)
+            alpha = overall if mine is None else mine.mean(overall, 2 * self.prior_weight)
+        return min(0.995, max(0.0, alpha))
+
+    def _width_alpha(self, m: int) -> float:
+        """Tree mode: the per-draft acceptance of trees of m paths. A wider tree keeps at
+        least what a narrower one does, and one never verified is given the benefit of the
+        doubt (its extra path catches a draft the narrower tree misses with the prior's
+        chance), so that it is tried once it might pay."""
+        if m == 1:
+            return (
+                self._widths[1].mean(self.prior, self.prior_weight)
+                if 1 in self._widths
+                else self.prior
+            )
+        narrower = self._width_alpha(m - 1)
+        # one more candidate: a draft the narrower tree misses is caught with the prior chance
+        floor = narrower + (1 - narrower) * self.prior
+        if m in self._widths:
+            return max(narrower, self._widths[m].mean(floor, self.prior_weight))
+        return floor
+
+    def _explored(self, rows: int, span: int) -> int:
+        """`span`, or half of it while fewer than two verify widths are timed: one width
+        leaves the slope of cost over width unknown (the prior's would stand in for it)."""
+        if span >= 2 and self._rounds >= 1 and self.cost.widths(rows) < 2:
+            return span // 2
+        return span
+
+    def _calibrating(self, rows: int, score: float) -> bool:
+        """Whether to take a plain step to time one (fewer than 3 kept, or none in the last
+        48 rounds: the machine's load moves) rather than draft:
+        only where drafting promises under 1.5x a plain step's tokens per unit of time (an
+        untimed plain step is the reference of every ratio; where drafts pay more than
+        that, the estimate from the verifies' line is close enough)."""
+        if self._rounds < 1 or score >= 1.5 * rows:
+            return False
+        return self.cost.plain_timings(rows) < 3 or self.cost.plain_age(rows) > 48
+
+    def _probe_due(self) -> bool:
+        return self._since + 1 >= self._interval
+
+    def _cheap(self) -> bool:
+        if len(self._propose_times) < 3 or not self.cost.plain_timings(len(self._rows)):
+            return False
+        plain = self.cost.plain_seconds(len(self._rows))
+        return plain is not None and statistics.median(self._propose_times) < 0.05 * plain
+
+
+def _labels_of(labels: Any, rows: int) -> list[Any]:
+    """The drafter's confidence labels, one hashable per row (None: none given)."""
+    if labels is None or not isinstance(labels, (list, tuple)) or len(labels) != rows:
+        return [None] * rows
+    out = []
+    for label in labels:
+        try:
+            hash(label)
+        except TypeError:
+            label = None
+        out.append(label)
+    return out
+
+
+def _common(path: Sequence[int], emitted: Sequence[int]) -> int:
+    """The drafts of `path` a greedy target keeps given its tokens `emitted`."""
+    n = 0
+    for p, e in zip(path, emitted, strict=False):
+        if p != e:
+            break
+        n += 1
+    return min(n, len(emitted) - 1)

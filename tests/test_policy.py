@@ -1,0 +1,351 @@
+"""The cost-aware drafting policy (`CostAwarePolicy`): its choices for scripted acceptance
+histories and cost ratios against the closed form of its rule (expected tokens per unit of
+cost, maximised over the span), its cost estimates from scripted, noisy timings, and the
+generator's output under its decisions: the greedy tokens (every drafter, batches, trees) and
+the target's sampling distribution (exact tests, `stats`)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstate.adapters import wrap
+from kvstate.adapters.tiny_models import tiny_model
+from kvstate.speculative import (
+    CostAwarePolicy,
+    CostModel,
+    DraftTree,
+    FixedCost,
+    ModelDrafter,
+    MTPDrafter,
+    NGramDrafter,
+    Sampler,
+    generate,
+    tree_of_paths,
+)
+
+from .helpers import ScriptedDrafter
+from .stats import binomial_test, chi2_sf, conditional_chi2
+from .test_mtp_drafter import TargetHead
+from .test_speculative import greedy
+
+ALPHA = 1e-4
+K = 8
+
+
+def leaves(tree: DraftTree) -> list[list[int]]:
+    """A tree's root-to-leaf paths, as tokens."""
+    out = []
+    for leaf in (i for i in range(len(tree.tokens)) if i not in set(tree.parents)):
+        path, at = [], leaf
+        while at != -1:
+            path.append(tree.tokens[at])
+            at = tree.parents[at]
+        out.append(path[::-1])
+    return out
+
+
+def linear(slope: float, overhead: float = 0.0) -> FixedCost:
+    return FixedCost(lambda w: 1.0 + overhead + slope * w)
+
+
+def closed_form(alphas: list[float], cost: FixedCost, most: list[int], k: int = K) -> int:
+    """The span maximising sum over rows of (1 - a**(w'+1)) / (1 - a), w' = min(w, most[b]),
+    over cost(w): the rule written independently of the policy's loop (first best wins)."""
+
+    def tokens(a: float, n: int) -> float:
+        return float(n + 1) if a == 1 else (1 - a ** (n + 1)) / (1 - a)
+
+    scores = [
+        sum(tokens(a, min(w, m)) for a, m in zip(alphas, most, strict=True)) / cost.ratio(1, w)
+        for w in range(min(k, max(most)) + 1)
+    ]
+    return max(range(len(scores)), key=lambda w: (scores[w] - 1e-9 * w, -w))
+
+
+def history(policy: CostAwarePolicy, rows: list[list[tuple[int, int]]]) -> None:
+    """Rounds of (drafted, accepted) per row, fed to the policy as the generator does."""
+    for round_ in zip(*rows, strict=True):
+        room = [100] * len(round_)
+        policy.depth(K, room, cheap=True)
+        policy.cut([d for d, _ in round_], room)
+        policy.last = policy.last._replace(probe=False)  # type: ignore[union-attr]
+        policy._pending = ([d for d, _ in round_], [None] * len(round_))
+        policy.observe([a for _, a in round_])
+
+
+@pytest.mark.parametrize("slope", [0.02, 0.1, 0.3, 1.0])
+@pytest.mark.parametrize("rate", [0.0, 0.2, 0.5, 0.8, 0.95, 1.0])
+def test_the_span_maximises_expected_tokens_per_unit_of_cost(rate, slope):
+    """A row whose drafts were accepted at `rate` (scripted rounds of 8 drafts) at cost
+    1 + slope * w: the span chosen is the closed form's for the acceptance it estimates, and
+    the estimate follows the history."""
+    rng = random.Random(7)
+    policy = CostAwarePolicy(cost=linear(slope))
+    policy.begin(1)
+    rounds = []
+    for _ in range(30):
+        a = next((i for i in range(K) if rng.random() >= rate), K)
+        rounds.append((K, a))
+    history(policy, [rounds])
+    alpha = policy.acceptance[0]
+    want = closed_form([alpha], linear(slope), [K])
+    got = policy.cut([K], [100])
+    assert max(got) == want, (alpha, got, want)
+    assert policy.last is not None and policy.last.span == want
+    if rate in (0.0, 1.0):
+        assert abs(alpha - rate) < 0.1
+
+
+def test_it_drafts_when_drafts_pay_and_stops_when_they_do_not():
+    policy = CostAwarePolicy(cost=linear(0.1))
+    policy.begin(1)
+    history(policy, [[(K, K)] * 10])
+    assert policy.cut([K], [100]) == [K]  # every draft accepted, cheap verifies: all
+    history(policy, [[(K, 0)] * 30])
+    assert policy.cut([K], [100]) == [0]  # every draft rejected lately: a plain step
+    # acceptance 0.5: drafting pays at a cost of 0.1 per draft, not at 0.6 per draft
+    for slope, drafts in ((0.1, True), (0.6, False)):
+        policy = CostAwarePolicy(cost=linear(slope))
+        policy.begin(1)
+        history(policy, [[(2, 1)] * 20])
+        assert (max(policy.cut([K], [100])) > 0) is drafts, (slope, policy.acceptance)
+
+
+def test_the_room_left_caps_the_drafts():
+    policy = CostAwarePolicy(cost=linear(0.01))
+    policy.begin(2)
+    history(policy, [[(K, K)] * 5, [(K, K)] * 5])
+    assert policy.cut([K, K], [3, 100]) == [2, K]  # row 0 may emit 3 more: 2 drafts
+    assert policy.depth(K, [1, 1]) == 0  # no row can use a draft
+
+
+def test_rows_that_draft_and_rows_that_do_not_share_the_span_that_pays_the_batch():
+    """One verify feeds every row 1 + span tokens: the span maximises the batch's expected
+    tokens over its cost; rows with nothing drafted verify nothing."""
+    cost = linear(0.15)
+    policy = CostAwarePolicy(cost=cost)
+    policy.begin(4)
+    good, poor = [(K, K)] * 8, [(K, 0)] * 8
+    history(policy, [good, poor, poor, poor])
+    alphas = policy.acceptance
+    want = closed_form(alphas, cost, [K, K, K, 0])
+    got = policy.cut([K, K, K, 0], [100] * 4)
+    assert want > 0 and got == [want, want, want, 0], (alphas, got, want)
+    # more poor rows make the same verify dearer per token: four of them at a steeper cost
+    cost = linear(0.6)
+    policy = CostAwarePolicy(cost=cost)
+    policy.begin(4)
+    history(policy, [[(K, 4)] * 8, poor, poor, poor])
+    assert max(policy.cut([K] * 4, [100] * 4)) == closed_form(policy.acceptance, cost, [K] * 4)
+
+
+def test_held_back_rows_probe_more_rarely_after_failed_probes_and_resume_after_recovery():
+    """All drafts rejected: plain steps, but for probes spaced `probe`, 2 * probe, 4 *
+    probe... rounds apart; once a probe is accepted, the row drafts again."""
+    policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16)
+    policy.begin(1)
+    history(policy, [[(K, 0)] * 6])
+    probes = []
+    for i in range(60):
+        span = max(policy.cut([K], [1000]))
+        assert policy.last is not None
+        if span:
+            assert policy.last.probe and span <= 2
+            probes.append(i)
+        policy.observe([0])
+    gaps = np.diff(probes).tolist()
+    assert gaps[:3] == [8, 16, 16] and all(g == 16 for g in gaps[3:]), probes
+    # the drafter recovers: the next probe keeps its drafts, and drafting resumes
+    recovered = []
+    for _ in range(40):
+        span = max(policy.cut([K], [1000]))
+        policy.observe([span])
+        recovered.append(span)
+    first = next(i for i, s in enumerate(recovered) if s)
+    assert first < 16 and all(s > 0 for s in recovered[first:]), recovered
+    assert recovered[-1] == K
+
+
+def test_a_drafter_confidence_label_with_good_history_lifts_a_row():
+    """Labels (an n-gram match's length and count) carry their own acceptance: a row whose
+    drafts failed lately (short matches) still drafts after a label whose drafts were
+    accepted on another row (long matches), and not after its failing one."""
+    cost = linear(0.2)
+    policy = CostAwarePolicy(cost=cost)
+    policy.begin(2)
+    for _ in range(20):  # row 0: long matches, accepted; row 1: short ones, rejected
+        policy.depth(K, [100, 100], cheap=True)
+        policy.cut([4, 4], [100, 100], [(3, 3), (1, 1)])
+        policy.observe([4, 0])
+    assert policy.cut([0, 4], [100, 100], [None, (1, 1)]) == [0, 0]
+    assert policy.cut([0, 4], [100, 100], [None, None]) == [0, 0]
+    policy.observe([0, 0])
+    assert policy.cut([0, 4], [100, 100], [None, (3, 3)]) == [0, 4]
+    policy.observe([0, 4])
+
+
+def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
+    """Scripted timings: a plain step 10 ms, a verify of w drafts 10 * (1.2 + 0.3 w) ms, and
+    one round in four stalled 3x to 6x (a shared machine): the estimates stay within 5%,
+    for widths never timed too."""
+    rng = random.Random(3)
+    model = CostModel()
+    for _ in range(40):
+        for w in (0, 2, 5):
+            t = 0.010 * (1 if w == 0 else 1.2 + 0.3 * w)
+            if rng.random() < 0.25:
+                t *= rng.uniform(3, 6)
+            model.observe(4, w, t)
+    for w in (1, 2, 3, 5, 8):
+        assert abs(model.ratio(4, w) - (1.2 + 0.3 * w)) < 0.05 * (1.2 + 0.3 * w), w
+    assert model.ratio(4, 0) == 1.0
+    assert abs(model.ratio(3, 4) - 2.4) < 0.12  # a batch size not timed: the nearest one's
+    # no plain step timed yet: its cost is the line's intercept over 1 + overhead
+    fresh = CostModel(overhead=0.2)
+    for w in (2, 4):
+        fresh.observe(1, w, 0.010 * (1.2 + 0.3 * w))
+    assert abs(fresh.ratio(1, 4) - 2.4) < 0.01
+    assert CostModel(overhead=0.1, slope=0.05).ratio(1, 4) == pytest.approx(1.3)  # the prior
+
+
+def test_the_policy_times_rounds_with_its_clock():
+    """An injected clock: plain steps take 10 ms, a verify of w drafts 10 * (1 + 0.5 w) ms;
+    the policy's cost ratios follow them, and it stops drafting where drafts do not pay."""
+    now = [0.0]
+    policy = CostAwarePolicy(clock=lambda: now[0])
+    policy.begin(1)
+    for i in range(40):
+        asked = policy.depth(K, [1000])
+        span = 0
+        if asked:
+            span = max(policy.cut([asked], [1000]))
+        else:
+            policy.plain(1)
+        if i < 4:  # force a few plain steps and verifies of 1 and 3 drafts to be timed
+            span = [0, 1, 3, 0][i]
+            policy._pending = ([span], [None])
+        now[0] += 0.010 * (1 + 0.5 * span)
+        policy.observe([span // 2])  # half the drafts accepted
+    assert policy.cost_ratio(4) == pytest.approx(3.0, rel=0.01)
+    assert policy.cost_ratio(0) == 1.0
+
+
+def test_tree_mode_keeps_the_paths_and_depth_that_pay():
+    """Tree mode: one path while it is right; a wider tree once the first path fails and
+    the second would have been right (learnt from the rounds: what each narrower subtree
+    kept is known); nothing past the room left."""
+    paths = [[1, 2, 3, 4], [1, 2, 9, 9], [5, 6, 7, 8]]
+    tree = DraftTree(*tree_of_paths(paths))
+    policy = CostAwarePolicy(cost=linear(0.05))
+    policy.begin(1)
+    for _ in range(6):  # the first path is right
+        kept = policy.tree(tree, 100)
+        policy.observe_tree([1, 2, 3, 4, 0])
+    assert kept.tokens[:4] == [1, 2, 3, 4] and 5 not in kept.tokens
+    widths = []
+    for _ in range(12):  # from now on the second path is
+        kept = policy.tree(tree, 100)
+        widths.append(len(leaves(kept)))
+        policy.observe_tree([1, 2, *([9, 9] if 9 in kept.tokens else [5]), 0][:5])
+    assert widths[-1] >= 2 and 9 in kept.tokens, widths
+    assert all(len(p) <= 2 for p in leaves(policy.tree(tree, 3)))
+
+
+class Chaotic(FixedCost):
+    """Cost ratios drawn at random at every query: the policy's decisions (spans, cuts,
+    plain steps, tree sizes) vary at random, independently of the target."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        super().__init__(lambda w: 1.0 + rng.uniform(0.0, 1.5) * w)
+
+
+def tokens_of(rounds: Any, rows: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(rows)]
+    for r in rounds:
+        for t in r:
+            out[t.row].append(t.token)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_every_drafter_under_random_decisions_gives_the_greedy_tokens(name):
+    """Random spans, per-row cuts and plain steps (a chaotic cost), batches where rows that
+    draft and rows that do not share rounds: every row's tokens are mlx-lm's greedy ones."""
+    model = tiny_model(name)
+    target = wrap(model)
+    repetitive = [3, 17, 42, 99, 3, 17, 42, 99, 3, 17]
+    prompts = [repetitive, [100, 101, 102, 5, 6], [7, 7, 40, 41, 42, 43, 7]]
+    n = 24
+    truth = [greedy(model, p, n + 9) for p in prompts]
+    drafters: dict[str, Any] = {
+        "ngram": lambda: NGramDrafter(),
+        "scripted": lambda: ScriptedDrafter(truth, 0.6, seed=1),
+        "model": lambda: ModelDrafter(wrap(tiny_model(name, scale=3.8))),
+        "mtp": lambda: MTPDrafter(TargetHead(tiny_model(name, scale=3.8))),
+    }
+    for seed, (label, make) in enumerate(drafters.items()):
+        policy = CostAwarePolicy(cost=Chaotic(seed), probe=2)
+        g = generate(target, prompts, make(), k=4, max_tokens=n, policy=policy)
+        assert tokens_of(g, 3) == [t[:n] for t in truth], label
+        assert g.policy is policy and len(policy.acceptance) >= 1
+    for mode in ("tree", "paths"):
+        for label, drafter in (("ngram", NGramDrafter()),
+                               ("model", ModelDrafter(wrap(tiny_model(name, scale=3.8))))):  # fmt: skip
+            policy = CostAwarePolicy(cost=Chaotic(5), probe=2)
+            g = generate(target, prompts[:1], drafter, k=4, max_tokens=n, tree=mode, policy=policy)
+            assert tokens_of(g, 1) == [truth[0][:n]], (mode, label)
+
+
+def test_the_default_policy_is_exact_and_exposes_its_estimates():
+    model = tiny_model("llama")
+    prompts = [[3, 17, 42, 99, 3, 17, 42, 99, 3, 17], [100, 101, 102, 5, 6]]
+    truth = [greedy(model, p, 40) for p in prompts]
+    g = generate(wrap(model), prompts, NGramDrafter(), max_tokens=32)
+    assert tokens_of(g, 2) == [t[:32] for t in truth]
+    policy = g.policy
+    assert isinstance(policy, CostAwarePolicy) and policy.last is not None
+    assert all(0 <= a <= 1 for a in policy.acceptance)
+    assert policy.cost_ratio(0) == 1.0 and policy.cost_ratio(4) >= 1.0
+    fixed = generate(wrap(model), prompts, NGramDrafter(), max_tokens=32, adaptive=False)
+    assert fixed.policy is None and tokens_of(fixed, 2) == [t[:32] for t in truth]
+
+
+def test_sampling_under_random_decisions_follows_the_target_distribution():
+    """A draft model unlike the target (q != p: rejections and residual draws), k = 2, and
+    random spans per generation (a chaotic cost): each row's second token is distributed
+    as the target's p2(. | first), exact binomial and chi-square at 1e-4, 4000 rows."""
+    vocab = 32
+    shape = dict(num_hidden_layers=1, vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                 head_dim=8)  # fmt: skip
+    model = tiny_model("llama", scale=3.0, **shape)
+    draft = wrap(tiny_model("llama", seed=1, scale=3.0, **shape))
+    sampler = Sampler(temperature=1.0)
+    prompt = [5, 9, 13, 17]
+    target = wrap(model)
+    logits, _ = target(mx.array([prompt]), target.init_state())
+    p1 = np.array(sampler.probs(logits[0, -1]), np.float64)
+    logits, _ = target(mx.array([[*prompt, x] for x in range(vocab)]), target.init_state(vocab))
+    p2 = np.array(sampler.probs(logits[:, -1]), np.float64)
+    p1, p2 = p1 / p1.sum(), p2 / p2.sum(1, keepdims=True)
+    pairs, drafted = [], 0
+    for s in range(10):
+        policy = CostAwarePolicy(cost=Chaotic(s), probe=1)
+        out: list[list[int]] = [[] for _ in range(400)]
+        for r in generate(target, [prompt] * 400, ModelDrafter(draft), k=2, max_tokens=3,
+                          sampler=sampler, seed=s, policy=policy):  # fmt: skip
+            for t in r:
+                out[t.row].append(t.token)
+                drafted += t.from_draft and len(out[t.row]) == 2
+        pairs += [(r[0], r[1]) for r in out]
+    # some generations verified drafts (some accepted), others took plain steps
+    assert 0.05 * len(pairs) < drafted < 0.95 * len(pairs), drafted
+    repeats = sum(x == y for x, y in pairs)
+    p_repeat = binomial_test(repeats, len(pairs), float(np.sum(p1 * np.diag(p2))))
+    statistic, df = conditional_chi2(pairs, p2)
+    assert p_repeat > ALPHA and chi2_sf(statistic, df) > ALPHA, (p_repeat, statistic, df)
