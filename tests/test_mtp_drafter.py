@@ -40,9 +40,12 @@ class TargetHead:
 
 
 def decode(target, prompts, drafter, k=3, max_tokens=NEW, eos=()):
+    """Fixed k (adaptive=False): these tests are of the drafter's mechanics, which the
+    default policy's timed choices (drafts or plain steps) would make vary run to run."""
     out: list[list[int]] = [[] for _ in prompts]
     drafted = 0
-    for tokens in generate(target, prompts, drafter, k=k, max_tokens=max_tokens, eos=eos):
+    rounds = generate(target, prompts, drafter, k=k, max_tokens=max_tokens, eos=eos, adaptive=False)
+    for tokens in rounds:
         for t in tokens:
             out[t.row].append(t.token)
             drafted += t.from_draft
