@@ -242,7 +242,13 @@ def test_sampling_with_the_target_as_head_accepts_nearly_every_draft():
     drafter = MTPDrafter(TargetHead(model), seed=2)
     total = drafted = 0
     for tokens in generate(
-        wrap(model), [PROMPTS[0]] * 4, drafter, k=3, max_tokens=24, sampler=sampler
+        wrap(model),
+        [PROMPTS[0]] * 4,
+        drafter,
+        k=3,
+        max_tokens=24,
+        sampler=sampler,
+        adaptive=False,
     ):
         total += len(tokens)
         drafted += sum(t.from_draft for t in tokens)

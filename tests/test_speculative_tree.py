@@ -16,7 +16,9 @@ from kvstate import NotSupportedError, StateError, TokenError
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.speculative import (
+    CostAwarePolicy,
     DraftTree,
+    FixedCost,
     ModelDrafter,
     MTPDrafter,
     NGramDrafter,
@@ -64,7 +66,11 @@ class ScriptedTreeDrafter:
 
     def accept(self, fed: mx.array, kept: list[int]) -> None:
         row = cast(list[list[int]], fed.tolist())[0]
-        assert row[1:] in self.proposed, "accept must get a whole candidate path"
+        # A candidate path, or a prefix of one (a policy may verify paths cut shorter).
+        fed_path = row[1:]
+        assert any(path[: len(fed_path)] == fed_path for path in self.proposed), (
+            "accept must get a candidate path or a prefix of one"
+        )
         (n,) = kept
         assert row[:n] == self.truth[self.emitted - 1 : self.emitted - 1 + n]
         self.winners += n > 1 and row[1:] != self.proposed[0]
@@ -188,7 +194,12 @@ def test_logprobs_are_the_targets_at_each_emitted_token():
     tokens = [
         t
         for r in generate(
-            target, [PROMPT], ScriptedTreeDrafter(truth, 0.7), max_tokens=12, tree="tree"
+            target,
+            [PROMPT],
+            ScriptedTreeDrafter(truth, 0.7),
+            max_tokens=12,
+            tree="tree",
+            adaptive=False,  # whole candidate paths (the policy may cut them)
         )
         for t in r
     ]
@@ -278,6 +289,11 @@ def test_the_tree_depth_adapts_to_the_acceptance(mode):
     model = tiny_model("llama")
     truth = greedy(model, PROMPT, 40)
     drafter = WrongThenRight(truth)
-    rounds = generate(wrap(model), [PROMPT], drafter, k=3, max_tokens=30, tree=mode)
+    # Verifies priced like a GPU's (a wide verify costs little more than a plain step): the
+    # policy keeps asking for trees through the wrong rounds and at the whole depth after the
+    # truth returns (its choices under scripted costs: tests/test_policy.py).
+    policy = CostAwarePolicy(cost=FixedCost(lambda width: 1 + 0.05 * width))
+    rounds = generate(wrap(model), [PROMPT], drafter, k=3, max_tokens=30, tree=mode, policy=policy)
     assert [t.token for r in rounds for t in r] == truth[:30]
-    assert drafter.asked[:6] == [3, 2, 1, 1, 2, 3]
+    assert len(drafter.asked) > 3 and drafter.asked[0] == 3
+    assert drafter.asked[-1] == 3  # back to the whole depth once the drafts are right

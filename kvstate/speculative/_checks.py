@@ -454,6 +454,18 @@ def _checked_probs(probs: Any, rows: int, span: int, where: str) -> mx.array:
     return probs
 
 
+def is_linked(tree: DraftTree) -> bool:
+    """Whether a DraftTree's parents make a tree: sequences of one length, each parent -1 or
+    an earlier node (so walks from the root end)."""
+    tokens, parents = tree
+    return (
+        isinstance(parents, Sequence)
+        and isinstance(tokens, Sequence)
+        and len(tokens) == len(parents)
+        and all(values.is_integer(p) and -1 <= p < i for i, p in enumerate(parents))
+    )
+
+
 def checked_tree(tree: Any, asked: int, k: int) -> DraftTree:
     """A tree drafter's `DraftTree` after `propose_tree(last, asked, ...)` in a generation
     of `k`: its type and depth (the tree round checks its ids and links). A tree up to `k`
@@ -465,14 +477,9 @@ def checked_tree(tree: Any, asked: int, k: int) -> DraftTree:
             f"{where} must be a kvstate.speculative.DraftTree(tokens, parents); got a "
             f"{type(tree).__name__}: build one with DraftTree(*tree_of_paths(paths))"
         )
-    tokens, parents = tree
-    if not (
-        isinstance(parents, Sequence)
-        and isinstance(tokens, Sequence)
-        and len(tokens) == len(parents)
-        and all(values.is_integer(p) and -1 <= p < i for i, p in enumerate(parents))
-    ):
+    if not is_linked(tree):
         return tree  # the tree round refuses it, naming what is wrong
+    tokens, parents = tree
     depth: list[int] = []
     for p in parents:
         depth.append(1 if p == -1 else depth[p] + 1)

@@ -25,6 +25,7 @@ from ._checks import (
     checked_extras,
     checked_proposal,
     checked_tree,
+    is_linked,
     start_keywords,
 )
 from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden, with_counts
@@ -302,7 +303,7 @@ def _rounds(
             tree_drafter = cast(TreeDrafter, drafter)
             proposed_tree = tree_drafter.propose_tree(live.last[0], asked, sampler)
             candidates = pruned_at_ends(checked_tree(proposed_tree, asked, k), eos)
-            if policy is not None:
+            if policy is not None and is_linked(candidates):  # else the tree round refuses it
                 candidates = policy.tree(candidates, room[0])
         elif policy is not None:
             policy.plain(len(live.rows))
