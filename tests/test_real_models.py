@@ -80,7 +80,7 @@ def test_greedy_and_prompt_lookup_equal_mlx_lm_generate_step(real):
     want = reference(model, prompt, 10)
     target = wrap(model)
     assert tokens_of(generate(target, [prompt], None, max_tokens=10)) == [want]
-    lookup = generate(target, [prompt], NGramDrafter(), k=3, max_tokens=10)
+    lookup = generate(target, [prompt], NGramDrafter(), k=3, max_tokens=10, adaptive=False)
     assert tokens_of(lookup) == [want]
     assert lookup.accepted > 0  # the drafts were verified, not skipped
     # A trained model continues the pattern: the weights and the tokenizer are the model's.
@@ -226,7 +226,7 @@ def test_gemma_3_bit_state_at_head_dim_256_decodes(gemma):
     want = model(step, cache=fake_quantized_caches(model, prompt[:-1], 3))
     np.testing.assert_allclose(np.array(got[:, 0]), np.array(want[:, 0]), rtol=2e-3, atol=2e-3)
     plain = tokens_of(generate(target, [prompt[-1:]], None, max_tokens=6, states=[quantized]))
-    lookup = generate(target, [prompt[-1:]], NGramDrafter(), k=3, max_tokens=6,
+    lookup = generate(target, [prompt[-1:]], NGramDrafter(), k=3, max_tokens=6, adaptive=False,
                       states=[quantized], history=[prompt[:-1]])  # fmt: skip
     assert tokens_of(lookup) == plain
     assert plain[0][:3] == reference(model, prompt, 3)  # 3 bits keep this model's choice
@@ -277,7 +277,9 @@ def test_self_speculation_drafts_equal_mlx_lm_greedy(gemma, kind):
     model, tokenizer = gemma
     draft = DRAFTS[kind](model)
     prompt = tokenizer.encode(CODE)
-    got = generate(wrap(model), [prompt], ModelDrafter(wrap(draft)), k=3, max_tokens=8)
+    got = generate(
+        wrap(model), [prompt], ModelDrafter(wrap(draft)), k=3, max_tokens=8, adaptive=False
+    )
     assert tokens_of(got) == [reference(model, prompt, 8)]
     assert got.drafted > 0
     if kind == "4-bit copy":
@@ -292,7 +294,9 @@ def test_early_exit_of_a_quantized_target_keeps_its_quantization(smollm2):
     model, tokenizer = smollm2
     draft = early_exit_draft(model, 10)
     prompt = tokenizer.encode(CODE)
-    got = generate(wrap(model), [prompt], ModelDrafter(wrap(draft)), k=3, max_tokens=6)
+    got = generate(
+        wrap(model), [prompt], ModelDrafter(wrap(draft)), k=3, max_tokens=6, adaptive=False
+    )
     assert tokens_of(got) == [reference(model, prompt, 6)]
     head = draft.model.embed_tokens
     assert isinstance(head, nn.QuantizedEmbedding) and head.bits == 8  # SmolLM2's Q8_0
