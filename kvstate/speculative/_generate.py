@@ -17,7 +17,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .. import NotSupportedError, StateError, capabilities, filter
-from ..distributed import agree
+from ..distributed import agree, group_of
 from ..kinds import host_ints
 from ._checks import (
     Extras,
@@ -139,7 +139,7 @@ def generate(
     finals = Finals(target) if keep_states is True else None
     counts = Counts()
     chosen = policy
-    if policy is None and adaptive is True and drafter is not None:
+    if policy is None and adaptive is True and drafter is not None and group_of(target) is None:
         chosen = CostAwarePolicy()
     rounds = _rounds(
         target,
@@ -194,7 +194,7 @@ def _rounds(
     call = checked_call(target, prompts, drafter, k=k, max_tokens=max_tokens, sampler=sampler,
                         eos=eos, adaptive=adaptive, seed=seed, tree=tree)  # fmt: skip
     prompts, sampler, eos, abilities = call
-    policy = _policy_of(adaptive, policy, drafter)
+    policy = _policy_of(adaptive, policy, drafter, split=group_of(target) is not None)
     if prompt_progress is not None and not callable(prompt_progress):
         raise StateError(
             "generate: prompt_progress must be a callable (processed, total) or None; got "
@@ -341,9 +341,14 @@ def _rounds(
         live.last = r.next_tokens
 
 
-def _policy_of(adaptive: Any, policy: Any, drafter: Any) -> CostAwarePolicy | None:
+def _policy_of(
+    adaptive: Any, policy: Any, drafter: Any, *, split: bool = False
+) -> CostAwarePolicy | None:
     """The generation's drafting policy: `policy`, or a fresh `CostAwarePolicy` when
-    `adaptive`; None for fixed k (`adaptive=False`) or without a drafter."""
+    `adaptive`; None for fixed k (`adaptive=False`), without a drafter, and by default on a
+    model split over processes (`split`): each rank would time its own rounds and choose
+    differently, and ranks running forwards of different shapes hang in the model's own
+    collectives before `agree` could catch it."""
     if not isinstance(adaptive, bool):
         raise StateError(f"generate: adaptive must be a bool; got {adaptive!r}")
     if policy is not None and not isinstance(policy, CostAwarePolicy):
@@ -356,7 +361,7 @@ def _policy_of(adaptive: Any, policy: Any, drafter: Any) -> CostAwarePolicy | No
             "generate: adaptive=False verifies k drafts every round; it takes no policy "
             "(drop policy=, or adaptive=False)"
         )
-    if drafter is None or not adaptive:
+    if drafter is None or not adaptive or (split and policy is None):
         return None
     return CostAwarePolicy() if policy is None else policy
 
