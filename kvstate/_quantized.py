@@ -99,6 +99,34 @@ class QuantizedKV(State):
         return upgraded, {**children, "left_padding": None}
 
 
+CODEC_FIELDS = (
+    "key_bits",
+    "value_bits",
+    "key_group_size",
+    "value_group_size",
+    "key_pad",
+    "value_pad",
+    "rotation",
+    "seed",
+)
+
+# The least value `typed_statics` lets each integer codec static have (the rest: codec_problems).
+CODEC_LOWEST = {
+    "key_bits": 0,
+    "value_bits": 0,
+    "key_group_size": 1,
+    "value_group_size": 1,
+    "key_pad": 0,
+    "value_pad": 0,
+    "seed": 0,
+}
+
+
+def codec_of(state: Any) -> dict[str, Any]:
+    """The codec statics (CODEC_FIELDS) of a QuantizedKV or QuantizedRotatingKV, by name."""
+    return {f: getattr(state, f) for f in CODEC_FIELDS}
+
+
 def key_codec(state: Any) -> Codec:
     """The key side's codec of a QuantizedKV (or QuantizedRotatingKV)."""
     return Codec(state.key_bits, state.key_group_size, state.key_pad, state.rotation, state.seed)
@@ -149,31 +177,10 @@ _LAYOUT = Layout(_arrays, lambda s: s.keys is None or s.values is None, _with_ar
 
 @problems.register
 def _(state: QuantizedKV, values: bool) -> list[str]:
-    found = typed_statics(
-        state,
-        length=0,
-        appended=0,
-        key_bits=0,
-        value_bits=0,
-        key_group_size=1,
-        value_group_size=1,
-        key_pad=0,
-        value_pad=0,
-        seed=0,
-    )
+    found = typed_statics(state, bools=(), length=0, appended=0, **CODEC_LOWEST)
     if found:
         return found
-    for side in ("key", "value"):
-        bits, group = getattr(state, f"{side}_bits"), getattr(state, f"{side}_group_size")
-        if bits not in BITS:
-            found.append(f"{side}_bits: {bits} is not one of {list(BITS)}")
-        if group not in GROUP_SIZES:
-            found.append(f"{side}_group_size: {group} is not one of {list(GROUP_SIZES)}")
-        pad = getattr(state, f"{side}_pad")
-        if not 0 <= pad < group:
-            found.append(f"{side}_pad: {pad} zero channels; a pad is in 0..group_size-1")
-    if state.rotation not in ROTATIONS:
-        found.append(f"rotation: {state.rotation!r} is not one of {list(ROTATIONS)}")
+    found += codec_problems(state)
     if (state.keys is None) != (state.values is None):
         return [*found, "keys and values must both be triples or both None"]
     if found:
@@ -203,6 +210,24 @@ def _(state: QuantizedKV, values: bool) -> list[str]:
     if values and not found:
         top = state.length if state.keys is not None else 2**31 - 1
         found += ints_within("left_padding", state.left_padding, 0, top)
+    return found
+
+
+def codec_problems(state: Any) -> list[str]:
+    """The codec statics of a QuantizedKV (or QuantizedRotatingKV), once `typed_statics`
+    passed them with CODEC_LOWEST: known bits, group sizes and rotation, pads under a group."""
+    found = []
+    for side in ("key", "value"):
+        bits, group = getattr(state, f"{side}_bits"), getattr(state, f"{side}_group_size")
+        if bits not in BITS:
+            found.append(f"{side}_bits: {bits} is not one of {list(BITS)}")
+        if group not in GROUP_SIZES:
+            found.append(f"{side}_group_size: {group} is not one of {list(GROUP_SIZES)}")
+        pad = getattr(state, f"{side}_pad")
+        if not 0 <= pad < group:
+            found.append(f"{side}_pad: {pad} zero channels; a pad is in 0..group_size-1")
+    if state.rotation not in ROTATIONS:
+        found.append(f"rotation: {state.rotation!r} is not one of {list(ROTATIONS)}")
     return found
 
 

@@ -23,15 +23,22 @@ or as a batch of paths.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
 from ._errors import CommitError, ConfigMismatchError, require
-from ._quant_codec import Codec, Quantized, channel_pad
-from ._quantized import BITS, GROUP_SIZES, _triple_problems
+from ._quant_codec import Quantized, channel_pad
+from ._quantized import (
+    CODEC_FIELDS,
+    CODEC_LOWEST,
+    _triple_problems,
+    codec_of,
+    codec_problems,
+    key_codec,
+    value_codec,
+)
 from ._rotating import RotatingKV, _can_roll_back
-from ._rotations import ROTATIONS
 from ._shared import kv_config
 from ._tree import State, replace, trusted
 from ._validation import typed_statics
@@ -87,52 +94,41 @@ class QuantizedRotatingKV(State):
     seed: int = static_field(default=0)
 
 
-CODEC_FIELDS = (
-    "key_bits",
-    "value_bits",
-    "key_group_size",
-    "value_group_size",
-    "key_pad",
-    "value_pad",
-    "rotation",
-    "seed",
-)
-
-
-def codec_of(state: Any) -> dict[str, Any]:
-    """The codec statics of a QuantizedRotatingKV (or a QuantizedKV)."""
-    return {f: getattr(state, f) for f in CODEC_FIELDS}
-
-
-def key_codec(state: Any) -> Codec:
-    return Codec(state.key_bits, state.key_group_size, state.key_pad, state.rotation, state.seed)
-
-
-def value_codec(state: Any) -> Codec:
-    return Codec(
-        state.value_bits, state.value_group_size, state.value_pad, state.rotation, state.seed
-    )
-
+W = TypeVar("W", RotatingKV, QuantizedRotatingKV)
 
 # ---------------------------------------------------------------------------- lanes
+
+
+def _window(cls: type[W], w: Any, keys: Any, values: Any, previous: Any, **codec: Any) -> W:
+    """A `cls` (RotatingKV or QuantizedRotatingKV) of `keys`, `values`, `previous` and the
+    window bookkeeping of `w` (either kind; arrays shared, not copied), with `codec`'s
+    statics: the one place the two kinds' shared fields are copied across."""
+    return trusted(cls)(
+        keys,
+        values,
+        w.left_padding,
+        w.offsets,
+        previous,
+        max_size=w.max_size,
+        keep=w.keep,
+        offset=w.offset,
+        index=w.index,
+        rotated=w.rotated,
+        appended=w.appended,
+        **codec,
+    )
 
 
 def lane(state: QuantizedRotatingKV, i: int) -> RotatingKV:
     """Lane i (0 packed words, 1 scales, 2 biases) as a RotatingKV: keys[i], values[i] and
     the window's bookkeeping (arrays shared, not copied)."""
     prev = state.previous
-    return trusted(RotatingKV)(
+    return _window(
+        RotatingKV,
+        state,
         None if state.keys is None else state.keys[i],
         None if state.values is None else state.values[i],
-        state.left_padding,
-        state.offsets,
         None if prev is None else lane(prev, i),
-        max_size=state.max_size,
-        keep=state.keep,
-        offset=state.offset,
-        index=state.index,
-        rotated=state.rotated,
-        appended=state.appended,
     )
 
 
@@ -151,20 +147,7 @@ def joined(codec: dict[str, Any], windows: Sequence[RotatingKV]) -> QuantizedRot
     previous = None
     if w.previous is not None:
         previous = joined(codec, [x.previous for x in windows])  # type: ignore[misc]
-    return trusted(QuantizedRotatingKV)(
-        keys,
-        values,
-        w.left_padding,
-        w.offsets,
-        previous,
-        max_size=w.max_size,
-        keep=w.keep,
-        offset=w.offset,
-        index=w.index,
-        rotated=w.rotated,
-        appended=w.appended,
-        **codec,
-    )
+    return _window(QuantizedRotatingKV, w, keys, values, previous, **codec)
 
 
 def _per_lane(
@@ -186,24 +169,12 @@ def _filled_codec(states: Sequence[QuantizedRotatingKV]) -> dict[str, Any]:
 @problems.register
 def _(state: QuantizedRotatingKV, values: bool) -> list[str]:
     found = typed_statics(
-        state,
-        max_size=1,
-        keep=0,
-        offset=0,
-        index=0,
-        appended=0,
-        key_bits=0,
-        value_bits=0,
-        key_group_size=1,
-        value_group_size=1,
-        key_pad=0,
-        value_pad=0,
-        seed=0,
-        bools=("rotated",),
-    )
+        state, max_size=1, keep=0, offset=0, index=0, appended=0, bools=("rotated",),
+        **CODEC_LOWEST,
+    )  # fmt: skip
     if found:
         return found
-    found += _codec_problems(state)
+    found += codec_problems(state)
     if (state.keys is None) != (state.values is None):
         return [*found, "keys and values must both be triples or both None"]
     if found:
@@ -236,22 +207,6 @@ def _(state: QuantizedRotatingKV, values: bool) -> list[str]:
             return found
     # The window's own bookkeeping, checked on the scales lane (floating, like RotatingKV's).
     return found + problems(lane(state, 1), values)
-
-
-def _codec_problems(state: QuantizedRotatingKV) -> list[str]:
-    found = []
-    for side in ("key", "value"):
-        bits, group = getattr(state, f"{side}_bits"), getattr(state, f"{side}_group_size")
-        if bits not in BITS:
-            found.append(f"{side}_bits: {bits} is not one of {list(BITS)}")
-        if group not in GROUP_SIZES:
-            found.append(f"{side}_group_size: {group} is not one of {list(GROUP_SIZES)}")
-        pad = getattr(state, f"{side}_pad")
-        if not 0 <= pad < group:
-            found.append(f"{side}_pad: {pad} zero channels; a pad is in 0..group_size-1")
-    if state.rotation not in ROTATIONS:
-        found.append(f"rotation: {state.rotation!r} is not one of {list(ROTATIONS)}")
-    return found
 
 
 @capabilities_of.register
@@ -355,7 +310,7 @@ def quantize_window(state: RotatingKV, spec: Any) -> QuantizedRotatingKV:
     or QuantizedRotatingKV; its pads are recomputed for the window's head dims). Every slot
     of the buffer is quantized (used or not: the ring's layout is kept as it is), and
     `previous` with the same codec."""
-    codec = {f: getattr(spec, f) for f in CODEC_FIELDS}
+    codec = codec_of(spec)
     if state.keys is not None and state.values is not None:
         codec["key_pad"] = channel_pad(int(state.keys.shape[-1]), codec["key_group_size"])
         codec["value_pad"] = channel_pad(int(state.values.shape[-1]), codec["value_group_size"])
@@ -370,31 +325,11 @@ def quantize_window(state: RotatingKV, spec: Any) -> QuantizedRotatingKV:
 
 
 def _encoded(state: RotatingKV, codec: dict[str, Any]) -> QuantizedRotatingKV:
-    kc = Codec(
-        codec["key_bits"], codec["key_group_size"], codec["key_pad"], codec["rotation"],
-        codec["seed"],
-    )  # fmt: skip
-    vc = Codec(
-        codec["value_bits"], codec["value_group_size"], codec["value_pad"], codec["rotation"],
-        codec["seed"],
-    )  # fmt: skip
-    keys = None if state.keys is None else kc.encode(state.keys)
-    values = None if state.values is None else vc.encode(state.values)
     previous = None if state.previous is None else _encoded(state.previous, codec)
-    return trusted(QuantizedRotatingKV)(
-        keys,
-        values,
-        state.left_padding,
-        state.offsets,
-        previous,
-        max_size=state.max_size,
-        keep=state.keep,
-        offset=state.offset,
-        index=state.index,
-        rotated=state.rotated,
-        appended=state.appended,
-        **codec,
-    )
+    empty = _window(QuantizedRotatingKV, state, None, None, previous, **codec)
+    keys = None if state.keys is None else key_codec(empty).encode(state.keys)
+    values = None if state.values is None else value_codec(empty).encode(state.values)
+    return replace(empty, keys=keys, values=values)
 
 
 def dequantized(state: QuantizedRotatingKV) -> RotatingKV:
@@ -411,19 +346,7 @@ def dequantized(state: QuantizedRotatingKV) -> RotatingKV:
     previous = None
     if state.previous is not None:
         previous = dequantized(replace(state.previous, **codec_of(state)))
-    return trusted(RotatingKV)(
-        keys,
-        values,
-        state.left_padding,
-        state.offsets,
-        previous,
-        max_size=state.max_size,
-        keep=state.keep,
-        offset=state.offset,
-        index=state.index,
-        rotated=state.rotated,
-        appended=state.appended,
-    )
+    return _window(RotatingKV, state, keys, values, previous)
 
 
 __all__ = ["QuantizedRotatingKV", "dequantized", "quantize_window"]

@@ -21,24 +21,9 @@ from mlx_lm.models.cache import _BaseCache
 
 from kvstate import QuantizedKV, QuantizedRotatingKV, StateError, quantized_attention
 from kvstate.kinds import replace, trusted
-from kvstate.quantization import joined, key_codec, lanes, value_codec, with_pads
+from kvstate.quantization import codec_of, joined, key_codec, lanes, value_codec, with_pads
 
 from .registry import Quantized, converter_of, register_from, to_cache
-
-_CODEC = (
-    "key_bits",
-    "value_bits",
-    "key_group_size",
-    "value_group_size",
-    "key_pad",
-    "value_pad",
-    "rotation",
-    "seed",
-)
-
-
-def _codec(state: Any) -> dict[str, Any]:
-    return {f: getattr(state, f) for f in _CODEC}
 
 
 class QuantizedRotatingCache(_BaseCache):
@@ -71,7 +56,7 @@ class QuantizedRotatingCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
         if self.lanes[0].keys is None:
             # The first forward fixes the pads (zero channels up to whole groups).
-            as_quantized = trusted(QuantizedKV)(**_codec(self.spec))
+            as_quantized = trusted(QuantizedKV)(**codec_of(self.spec))
             padded = with_pads(as_quantized, int(keys.shape[-1]), int(values.shape[-1]))
             self.spec = replace(self.spec, key_pad=padded.key_pad, value_pad=padded.value_pad)
         q_keys = key_codec(self.spec).encode(keys)
@@ -86,7 +71,9 @@ class QuantizedRotatingCache(_BaseCache):
     ) -> mx.array:
         """kvstate's quantized attention of `queries` over the window `update_and_fetch`
         returned (keys, values), masked by `mask` (the window's own, from `make_mask`)."""
-        view = trusted(QuantizedKV)(keys, values, length=int(keys[0].shape[2]), **_codec(self.spec))
+        view = trusted(QuantizedKV)(
+            keys, values, length=int(keys[0].shape[2]), **codec_of(self.spec)
+        )
         return quantized_attention(queries, view, scale=scale, mask=mask)
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
@@ -107,7 +94,7 @@ class QuantizedRotatingCache(_BaseCache):
     def read(self, appended: int = 0) -> QuantizedRotatingKV:
         """The QuantizedRotatingKV this cache holds, in fresh arrays, stamped `appended`."""
         windows = [converter_of(c)(c, appended) for c in self.lanes]
-        return joined(_codec(self.spec), windows)
+        return joined(codec_of(self.spec), windows)
 
     def is_trimmable(self) -> bool:
         return bool(self.lanes[0].is_trimmable())
