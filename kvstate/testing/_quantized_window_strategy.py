@@ -24,45 +24,30 @@ from ._strategies import (
 def quantized_rotating_kv_states(
     draw: Any,
     *,
-    batch: Knob = None,
-    padded: Knob = None,
-    heads: Knob = None,
     k_dim: Knob = None,
     v_dim: Knob = None,
     dtype: Knob = None,
-    max_size: Knob = None,
-    keep: Knob = None,
-    empty: Knob = None,
-    appended: Knob = None,
     key_bits: Knob = None,
     value_bits: Knob = None,
     group_size: Knob = None,
     rotation: Knob = None,
     seed: Knob = None,
+    **window_knobs: Knob,
 ) -> QuantizedRotatingKV:
     """A `QuantizedRotatingKV`: a window drawn by `rotating_kv_states` (forward by forward,
-    as mlx-lm's window caches make one; the same knobs), every slot of it and of its
-    `previous` quantized by the drawn codec.
+    as mlx-lm's window caches make one; the same knobs: batch, padded, heads, max_size,
+    keep, empty, appended pass through), every slot of it and of its `previous` quantized
+    by the drawn codec.
 
     Draws: head dims in {8, 16, 32} (zero-channel pads up to the group size), key and value
     bits in `QUANT_BITS` (independently), group size in {32, 64} for both sides, rotation in
     `ROTATION_KINDS` with a seed in 0..3, dtype in `DTYPES` (the scales' dtype).
     """
     dims = st.sampled_from([8, 16, 32])
-    window = draw(
-        rotating_kv_states(
-            batch=batch,
-            padded=padded,
-            heads=heads,
-            k_dim=_knob(draw, k_dim, dims),
-            v_dim=_knob(draw, v_dim, dims),
-            dtype=_knob(draw, dtype, st.sampled_from(DTYPES)),
-            max_size=max_size,
-            keep=keep,
-            empty=empty,
-            appended=appended,
-        )
-    )
+    k_dim = _knob(draw, k_dim, dims)
+    v_dim = _knob(draw, v_dim, dims)
+    dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
+    window = draw(rotating_kv_states(k_dim=k_dim, v_dim=v_dim, dtype=dtype, **window_knobs))
     group = _knob(draw, group_size, st.sampled_from([32, 64]))
     spec = QuantizedKV(
         key_bits=_knob(draw, key_bits, st.sampled_from(QUANT_BITS)),

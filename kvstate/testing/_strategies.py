@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
@@ -545,19 +546,7 @@ def rotating_kv_states(
     if not appended:
         return state
     previous = before if chunks[-1] > 1 else None
-    return RotatingKV(
-        state.keys,
-        state.values,
-        state.left_padding,
-        state.offsets,
-        previous,
-        max_size=state.max_size,
-        keep=state.keep,
-        offset=state.offset,
-        index=state.index,
-        rotated=state.rotated,
-        appended=chunks[-1],
-    )
+    return attrs.evolve(state, previous=previous, appended=chunks[-1])  # checked, as cls(...)
 
 
 # ---------------------------------------------------------------------------------------
