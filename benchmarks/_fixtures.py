@@ -1,5 +1,6 @@
-"""Benchmark data: mlx-lm caches filled with random keys/values, states built from them, and
-the packaged SmolLM2 model.
+"""Benchmark data: mlx-lm caches filled with random keys/values, states built from them, the
+packaged SmolLM2 model, the configurations of the ~1B random-init models, a code prompt, and
+an oracle drafter.
 
 Everything is built through mlx-lm's own `update_and_fetch`, so buffer capacities (multiples
 of its 256-token step) are exactly what a real prefill leaves behind.
@@ -11,10 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 import kvstate
 from kvstate.adapters import from_mlx_lm
+from kvstate.speculative import Proposal, Sampler
 
 # Small heads keep a 32k-token, 8-layer state within a CPU box's memory; the transforms'
 # cost is per byte moved (or O(1)), so the head shape does not change the ratios.
@@ -79,3 +82,67 @@ def smollm2() -> tuple[Any, Any] | None:
     except ModelNotInstalledError as e:
         print(f"({e})", flush=True)
         return None
+
+
+# A real model's shape (hidden 2048, 16 layers, vocabulary 32000: ~1.1B), for random-init
+# models on a GPU (`tiny_model(name, **BIG_MODELS[name])`).
+BIG_MODELS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 8192,
+    },
+    "qwen3_next": {
+        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "intermediate_size": 5632,
+        "num_experts": 0, "max_position_embeddings": 8192,
+    },
+    "nemotron_h": {
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+        "hybrid_override_pattern": list("M-M*M-M-M-M*M-M-"), "mamba_num_heads": 64,
+        "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 8192,
+    },
+}  # fmt: skip
+
+# Code that repeats itself, as code does: the continuation (__sub__, __mul__ ...) copies long
+# runs from the lines above, which is what prompt lookup bets on. It stops before the last
+# newline: byte-level BPE joins a newline with the next line's indent into one token, so a
+# prompt cut after the bare newline ends in a token the model rarely saw there.
+VECTOR_CODE = """class Vector:
+    def __init__(self, x: float, y: float, z: float) -> None:
+        self.x = x
+        self.y = y
+        self.z = z
+
+    def __add__(self, other: "Vector") -> "Vector":
+        return Vector(self.x + other.x, self.y + other.y, self.z + other.z)
+
+    def __sub__(self, other: "Vector") -> "Vector":"""
+
+
+class OracleDrafter:
+    """Knows the greedy output (`truth`, from the prefill's token on); drafts it, each token
+    right with probability p (a wrong one otherwise), from its own seeded stream: the same
+    drafts on every rank of a split model and for every contender. Batch 1."""
+
+    def __init__(self, truth: list[int], p: float, vocab: int, seed: int = 0) -> None:
+        self.truth, self.p, self.vocab = truth, p, vocab
+        self.rng = np.random.default_rng(seed)
+        self.at = 1  # the prefill's token
+
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
+        true = (self.truth + [0] * (k + 1))[self.at : self.at + k]
+        drafts = [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true]
+        return Proposal(mx.array([drafts], mx.int32), [k], None)
+
+    def accept(self, fed: mx.array, kept: list[int]) -> None:
+        self.at += kept[0]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass

@@ -33,27 +33,44 @@ class Contender:
     """One side of a comparison.
 
     `setup()` runs untimed before every repetition and returns the argument of `run`
-    (fresh inputs for APIs that mutate them). `run(arg)` is the timed part; it must end
-    with an eval of everything it produced, so lazy work is not left out of the clock, and
-    return what it produced, so that freeing it happens after the clock stops.
+    (fresh inputs for APIs that mutate them, a barrier of the ranks). `run(arg)` is the
+    timed part; it must end with an eval of everything it produced, so lazy work is not
+    left out of the clock, and return what it produced, so that freeing it happens after
+    the clock stops.
+
+    A block of `inner` calls gives one sample, its time per call; with `each_call`, every
+    call of the block is timed alone and gives a sample (for percentiles of short calls).
+    `units(result)`, if given, is what the block's time is divided by instead of `inner`:
+    a count known only from the run's result (a generation's rounds or tokens).
     """
 
     name: str
     run: Callable[[Any], Any]
     setup: Callable[[], Any] = lambda: None
     inner: int = 1  # calls per timed block, for sub-millisecond operations (time is per call)
+    each_call: bool = False
+    units: Callable[[Any], float] | None = None
 
 
 @dataclass
 class Samples:
+    """Each contender's samples: wall-clock seconds (`times`) and, read around the same
+    blocks, this process's CPU seconds (`cpu_times`: every thread's, much less moved than the
+    wall clock by other processes on a shared CPU)."""
+
     times: dict[str, list[float]] = field(default_factory=dict)
+    cpu_times: dict[str, list[float]] = field(default_factory=dict)
 
-    def median(self, name: str) -> float:
-        return statistics.median(self.times[name])
+    def of(self, cpu: bool) -> dict[str, list[float]]:
+        return self.cpu_times if cpu else self.times
 
-    def paired_ratio(self, a: str, b: str) -> tuple[float, float, float]:
+    def median(self, name: str, cpu: bool = False) -> float:
+        return statistics.median(self.of(cpu)[name])
+
+    def paired_ratio(self, a: str, b: str, cpu: bool = False) -> tuple[float, float, float]:
         """(median, 25th, 75th percentile) of the per-repetition ratio time(a) / time(b)."""
-        ratios = sorted(x / y for x, y in zip(self.times[a], self.times[b], strict=True))
+        times = self.of(cpu)
+        ratios = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
         return statistics.median(ratios), _quantile(ratios, 0.25), _quantile(ratios, 0.75)
 
 
@@ -67,15 +84,21 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def interleave(
-    contenders: Sequence[Contender], reps: int, warmup: int = 2, keep_gc: bool = False
+    contenders: Sequence[Contender],
+    reps: int,
+    warmup: int = 2,
+    keep_gc: bool = False,
+    check: Callable[[str, Any], None] | None = None,
 ) -> Samples:
     """Time every contender once per repetition, rotating the order each repetition.
 
     The garbage collector is off inside timed blocks (a collection would land on one
     contender only) unless `keep_gc`: then each contender pays for the collections its own
-    allocations trigger, as in real use (for long blocks of many calls).
+    allocations trigger, as in real use (for long blocks of many calls). `check(name,
+    result)`, if given, sees each block's last result (warm-ups too) after its clock stops:
+    an output checked where it is timed, or a count kept.
     """
-    samples = Samples({c.name: [] for c in contenders})
+    samples = Samples({c.name: [] for c in contenders}, {c.name: [] for c in contenders})
     n = len(contenders)
     was_enabled = gc.isenabled()
     if keep_gc:
@@ -88,13 +111,21 @@ def interleave(
             for c in order:
                 arg = c.setup()
                 sync()
-                t0 = time.perf_counter()
-                for _ in range(c.inner):
-                    result = c.run(arg)
-                t1 = time.perf_counter()
-                del arg, result  # freeing buffers is not part of the operation
-                if rep >= warmup:
-                    samples.times[c.name].append((t1 - t0) / c.inner)
+                for _ in range(c.inner if c.each_call else 1):
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    for _ in range(1 if c.each_call else c.inner):
+                        result = c.run(arg)
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    if check is not None:
+                        check(c.name, result)
+                    per = 1 if c.each_call else c.inner
+                    if c.units is not None:
+                        per = c.units(result)
+                    del result  # freeing buffers is not part of the operation
+                    if rep >= warmup:
+                        samples.times[c.name].append((t1 - t0) / per)
+                        samples.cpu_times[c.name].append((c1 - c0) / per)
+                del arg
             gc.collect()
     finally:
         (gc.enable if was_enabled else gc.disable)()

