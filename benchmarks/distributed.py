@@ -49,7 +49,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 
@@ -70,14 +69,23 @@ def _pin_gpu() -> None:
 _pin_gpu()
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from _harness import _quantile, device_name, environment, fmt_ratio, fmt_time, table  # noqa: E402
+from _fixtures import BIG_MODELS, OracleDrafter  # noqa: E402
+from _harness import (  # noqa: E402
+    Contender,
+    _quantile,
+    device_name,
+    environment,
+    fmt_ratio,
+    fmt_time,
+    interleave,
+    table,
+)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from kvstate import distributed  # noqa: E402
 from kvstate.adapters import wrap  # noqa: E402
 from kvstate.adapters.tiny_models import tiny_model  # noqa: E402
-from kvstate.speculative import Proposal, Sampler, generate  # noqa: E402
+from kvstate.speculative import generate  # noqa: E402
 
 TINY = {
     "hidden_size": 256,
@@ -94,20 +102,7 @@ TINY_HYBRID = {
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
 }
-LARGE = {  # ~1.1B each, as benchmarks/verify.py's large models
-    "llama": {
-        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 8192,
-    },
-    "hybrid": {
-        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "intermediate_size": 5632,
-        "num_experts": 0, "max_position_embeddings": 8192,
-    },
-}  # fmt: skip
+LARGE = {"llama": BIG_MODELS["llama"], "hybrid": BIG_MODELS["qwen3_next"]}  # ~1.1B each
 # name -> (mlx-lm module of tiny_model, overrides by size, how the model is split)
 MODELS: dict[str, tuple[str, dict[str, dict[str, Any]], str]] = {
     "llama": ("llama", {"tiny": TINY, "1b": LARGE["llama"]}, "shard"),
@@ -147,29 +142,6 @@ def barrier(group: Any) -> None:
     distributed.agree([1], group, what="barrier")
 
 
-class OracleDrafter:
-    """Drafts the true greedy continuation, each token right with probability p (a seeded
-    choice, identical on every rank)."""
-
-    def __init__(self, truth: list[int], p: float, vocab: int) -> None:
-        self.truth, self.p, self.vocab, self.at = truth, p, vocab, 1
-        self.rng = np.random.default_rng(0)
-
-    def start(self, prompts: list[list[int]]) -> None:
-        pass
-
-    def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        true = (self.truth + [0] * (k + 1))[self.at : self.at + k]
-        drafts = [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true]
-        return Proposal(mx.array([drafts], mx.int32), [k], None)
-
-    def accept(self, fed: mx.array, kept: list[int]) -> None:
-        self.at += kept[0]
-
-    def keep_rows(self, rows: list[int]) -> None:
-        pass
-
-
 # ---------------------------------------------------------------------------- 1. agree
 
 
@@ -193,17 +165,13 @@ def agree_cost(group: Any, calls: int, say: Any) -> float:
             distributed._checked_values(many, "")
         ),
     }
-    seen: dict[str, list[float]] = {k: [] for k in kinds}
     blocks = 5
-    names = list(kinds)
-    for b in range(blocks + 1):  # the first block warms up
-        for name in names[b % len(names) :] + names[: b % len(names)]:
-            barrier(group)
-            for _ in range(max(1, calls // blocks)):
-                started = time.perf_counter()
-                kinds[name]()
-                if b:
-                    seen[name].append(time.perf_counter() - started)
+    contenders = [
+        Contender(name, lambda _, f=f: f(), lambda: barrier(group), max(1, calls // blocks), True)
+        for name, f in kinds.items()
+    ]
+    # Blocks of each kind in rotating order, the ranks meeting before each; the first warms up.
+    seen = interleave(contenders, blocks, warmup=1, keep_gc=True).times
     rows = []
     for name, times in seen.items():
         times.sort()
@@ -224,30 +192,31 @@ def agree_cost(group: Any, calls: int, say: Any) -> float:
 # ---------------------------------------------------------------------------- 2. speed
 
 
-def _run(m: Any, drafter: Any, tokens: int) -> tuple[float, list[int], int]:
-    started = time.perf_counter()
-    rounds = list(generate(m, [PROMPT], drafter, k=4, max_tokens=tokens))
-    elapsed = time.perf_counter() - started
-    return elapsed, [t.token for r in rounds for t in r], len(rounds)
+def _run(m: Any, drafter: Any, tokens: int) -> list[Any]:
+    return list(generate(m, [PROMPT], drafter, k=4, max_tokens=tokens))
 
 
 def _timed(m: Any, tokens: int, reps: int) -> dict[str, Any]:
     """Plain and speculative runs of `m`, interleaved: median seconds, rounds, same tokens."""
     vocab = int(m.vocab_size)
-    _, truth, _ = _run(m, None, tokens + 8)  # also the warm-up
-    times: dict[str, list[float]] = {"plain": [], "speculative": []}
+    truth = [t.token for r in _run(m, None, tokens + 8) for t in r]  # also the warm-up
     rounds: dict[str, int] = {}
     outputs: dict[str, list[int]] = {}
-    for rep in range(reps + 1):
-        order = ["plain", "speculative"] if rep % 2 == 0 else ["speculative", "plain"]
-        for name in order:
-            drafter = OracleDrafter(truth, 0.8, vocab) if name == "speculative" else None
-            elapsed, outputs[name], rounds[name] = _run(m, drafter, tokens)
-            if rep:  # the first repetition warms up the speculative shapes
-                times[name].append(elapsed)
+
+    def seen(name: str, got: list[Any]) -> None:
+        outputs[name], rounds[name] = [t.token for r in got for t in r], len(got)
+
+    contenders = [
+        Contender("plain", lambda _: _run(m, None, tokens)),
+        Contender(
+            "speculative", lambda d: _run(m, d, tokens), lambda: OracleDrafter(truth, 0.8, vocab)
+        ),
+    ]
+    # The first repetition warms up the speculative shapes.
+    samples = interleave(contenders, reps, warmup=1, keep_gc=True, check=seen)
     same = outputs["plain"] == outputs["speculative"] == truth[:tokens]
     return {
-        **{n: statistics.median(t) for n, t in times.items()},
+        **{n: samples.median(n) for n in ("plain", "speculative")},
         "rounds": rounds,
         "same": same,
     }
@@ -327,37 +296,25 @@ def decode_overhead(group: Any, size: str, reps: int, say: Any) -> None:
             mx.eval(y)
         held["y"], held["state"] = y, s
 
-    contenders = {"raw": raw, "kvstate": kv}
-    wall: dict[str, list[float]] = {n: [] for n in contenders}
-    cpu: dict[str, list[float]] = {n: [] for n in contenders}
-    for r in range(reps + 2):  # two warm-up repetitions
-        for name in ["raw", "kvstate"] if r % 2 == 0 else ["kvstate", "raw"]:
-            w0, c0 = time.perf_counter(), time.process_time()
-            contenders[name](None)
-            if r >= 2:
-                wall[name].append((time.perf_counter() - w0) / BLOCK)
-                cpu[name].append((time.process_time() - c0) / BLOCK)
+    # Blocks of BLOCK steps (time per step), in alternating order; two warm-up repetitions.
+    blocks = [Contender(n, f, units=lambda _: BLOCK) for n, f in (("raw", raw), ("kvstate", kv))]
+    samples = interleave(blocks, reps, warmup=2, keep_gc=True)
     rows = []
-    for label, seconds in (("wall clock", wall), ("this process's CPU time", cpu)):
-        ratios = sorted(a / b for a, b in zip(seconds["raw"], seconds["kvstate"], strict=True))
-        stats = (statistics.median(ratios), _quantile(ratios, 0.25), _quantile(ratios, 0.75))
+    for label, cpu in (("wall clock", False), ("this process's CPU time", True)):
         rows.append(
             [
                 label,
-                fmt_time(statistics.median(seconds["raw"])),
-                fmt_time(statistics.median(seconds["kvstate"])),
-                fmt_ratio(stats),
+                fmt_time(samples.median("raw", cpu)),
+                fmt_time(samples.median("kvstate", cpu)),
+                fmt_ratio(samples.paired_ratio("raw", "kvstate", cpu)),
             ]
         )
     # What a split model adds to wrap's step, without the collectives' scheduling noise:
     # stamping the placement and the eval walk over the state (arrays already evaluated).
     state, logits = held["state"], mx.zeros((1, 1, int(m.vocab_size)))
     mx.eval(logits)
-    n = 2000
-    started = time.perf_counter()
-    for _ in range(n):
-        m.adopt(state, logits)
-    added = (time.perf_counter() - started) / n
+    adopt = Contender("adopt", lambda _: m.adopt(state, logits), inner=2000)
+    added = interleave([adopt], 1, warmup=0, keep_gc=True).median("adopt")
     rows.append(["host work a split model adds to a wrap step", "", fmt_time(added), ""])
     say(f"llama ({size}) tensor-sharded over {group.size()} ranks, per token; rank 0:\n")
     say(table(["per token", "raw mlx-lm caches", "kvstate", "raw / kvstate"], rows))
