@@ -18,11 +18,12 @@ tokens a row; CPU time by default.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
-import time
 from typing import Any
 
 import _on_path  # noqa: F401  (benchmarks/ on the path)
+from _harness import Contender, interleave
 
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
@@ -52,17 +53,30 @@ class AsUsers:
         self.inner.keep_rows(rows)
 
 
-CLOCK = time.process_time  # the process's CPU time (every MLX thread): what a round costs in
-# work, much less moved than wall time by other processes on a shared CPU (--clock wall)
+# The clock: the process's CPU time (every MLX thread, interleave's `cpu_times`): what a round
+# costs in work, much less moved than wall time by other processes on a shared CPU (--clock wall)
+CPU = True
 
 
-def per_round(target: Any, make: Any, sampler: Sampler, seed: int) -> float:
+def rounds_of(target: Any, make: Any, sampler: Sampler, seed: int) -> int:
+    """The rounds of one generation (timed by the caller: per round, its time / this)."""
     prompts = [[3, 17, 42, 99, 7, 5, 3, 17, 42], [100, 101, 102, 5, 6, 7, 8, 9, 10]] * 2
-    start = CLOCK()
     rounds = 0
     for _ in generate(target, prompts, make(), k=4, max_tokens=48, sampler=sampler, seed=seed):
         rounds += 1
-    return (CLOCK() - start) / rounds
+    return rounds
+
+
+def timed_rounds(label: str, target: Any, make: Any, sampler: Sampler) -> Contender:
+    """One path as a contender: a generation a repetition (seed 0 for the warm-up, i for
+    pair i), its time per round."""
+    seeds = itertools.chain([0], itertools.count())
+    return Contender(
+        label,
+        lambda seed: rounds_of(target, make, sampler, seed),
+        lambda: next(seeds),
+        units=lambda rounds: rounds,
+    )
 
 
 def main() -> None:
@@ -70,8 +84,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=12, help="A/B pairs per configuration")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = parser.parse_args()
-    global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    global CPU
+    CPU = args.clock == "cpu"
     print(f"clock: {args.clock}\n")
     target = wrap(tiny_model("llama", num_hidden_layers=2, seed=3))
     draft = wrap(tiny_model("llama", num_hidden_layers=2, seed=3, scale=3.9))
@@ -88,13 +102,13 @@ def main() -> None:
         def full(make: Any = make) -> Any:
             return AsUsers(make())
 
-        per_round(target, make, sampler, 0)  # warm-up, both paths
-        per_round(target, full, sampler, 0)
-        made_times, full_times = [], []
-        for i in range(args.pairs):
-            order = [(made_times, make), (full_times, full)]
-            for times, maker in order if i % 2 == 0 else order[::-1]:
-                times.append(per_round(target, maker, sampler, i))
+        # A warm-up of both paths, then A/B pairs: made first in pair 0, full first in pair 1...
+        pairs = [
+            timed_rounds("full", target, full, sampler),
+            timed_rounds("made", target, make, sampler),
+        ]
+        times = interleave(pairs, args.pairs, warmup=1, keep_gc=True).of(CPU)
+        made_times, full_times = times["made"], times["full"]
         saved = sorted(f - m for f, m in zip(full_times, made_times, strict=True))
         q = statistics.quantiles(saved, n=4)
         f, m = statistics.median(full_times), statistics.median(made_times)
@@ -114,20 +128,21 @@ def checks_alone(reps: int = 2000) -> None:
 
     tokens = mx.array([[1, 2, 3, 4]] * 4, mx.int32)
     mx.eval(tokens)
-    for label, proposal in [
-        ("a user's Proposal (device guard)", Proposal(tokens, [4] * 4, None)),
-        ("a kvstate drafter's (Drafted)", Drafted(tokens, [4] * 4, None, 256)),
-    ]:
+    proposals = {
+        "a user's Proposal (device guard)": Proposal(tokens, [4] * 4, None),
+        "a kvstate drafter's (Drafted)": Drafted(tokens, [4] * 4, None, 256),
+    }
 
-        def once(proposal: Any = proposal) -> None:
-            drafts = checked_proposal(proposal, 4, 4, 4, 256)
-            mx.eval([a for a in (drafts.fed, drafts.marks) if a is not None])
+    def once(proposal: Any) -> None:
+        drafts = checked_proposal(proposal, 4, 4, 4, 256)
+        mx.eval([a for a in (drafts.fed, drafts.marks) if a is not None])
 
-        once()
-        start = CLOCK()
-        for _ in range(reps):
-            once()
-        print(f"| {label} | {(CLOCK() - start) / reps * 1e6:.1f} |")
+    contenders = [
+        Contender(label, once, lambda p=p: p, inner=reps) for label, p in proposals.items()
+    ]
+    samples = interleave(contenders, 1, warmup=1, keep_gc=True)
+    for label in proposals:
+        print(f"| {label} | {samples.median(label, CPU) * 1e6:.1f} |")
 
 
 if __name__ == "__main__":
