@@ -35,6 +35,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from _fixtures import BIG_MODELS
+from _harness import Contender, interleave
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -42,26 +44,7 @@ import kvstate as ks
 from kvstate.adapters import to_mlx_lm, wrap
 from kvstate.adapters.tiny_models import tiny_model
 
-BIG: dict[str, dict[str, Any]] = {
-    "llama": {
-        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 8192,
-    },
-    "qwen3_next": {
-        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "intermediate_size": 5632,
-        "num_experts": 0, "max_position_embeddings": 8192,
-    },
-    "nemotron_h": {
-        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
-        "hybrid_override_pattern": list("M-M*M-M-M-M*M-M-"), "mamba_num_heads": 64,
-        "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "num_attention_heads": 16,
-        "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 8192,
-    },
-}  # fmt: skip
+BIG = BIG_MODELS  # (the probes import it from here)
 SMALL: dict[str, dict[str, Any]] = {"llama": {}, "qwen3_next": {}, "nemotron_h": {}}
 
 
@@ -74,19 +57,19 @@ def build(name: str, small: bool) -> nn.Module:
     return tiny_model(name, scale=1.0, dtype=mx.float32 if small else mx.bfloat16, **config)
 
 
-def median_ms(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] = lambda: None) -> float:
-    for _ in range(2):
-        ks.eval(fn(setup()))
-    times = []
-    for _ in range(reps):
-        arg = setup()
-        start = time.perf_counter()
-        out = fn(arg)
-        ks.eval(out)
+def median_ms(
+    fn: Callable[[Any], Any], reps: int, setup: Callable[[], Any] = lambda: None
+) -> float:
+    """Median milliseconds of `fn(setup())` over `reps`, after two warm-ups: its output
+    evaluated and the device synchronized inside the clock, `setup` outside it."""
+
+    def run(arg: Any) -> Any:
+        out = ks.eval(fn(arg))
         mx.synchronize()
-        times.append(time.perf_counter() - start)
-        del out
-    return statistics.median(times) * 1e3
+        return out
+
+    samples = interleave([Contender("fn", run, setup)], reps, warmup=2, keep_gc=True)
+    return samples.median("fn") * 1e3
 
 
 def copied(state: Any) -> Any:
