@@ -29,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from _fixtures import BIG_MODELS
 from _harness import Contender, environment, interleave
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import generate_step, speculative_generate_step
@@ -44,11 +45,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
         "head_dim": 32,
     },
-    "large": {  # ~1.1B, float32: for a GPU (with MLX_ENABLE_TF32=0 for exact greedy agreement)
-        "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
-        "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "max_position_embeddings": 8192,
-    },
+    # ~1.1B, float32: for a GPU (with MLX_ENABLE_TF32=0 for exact greedy agreement)
+    "large": BIG_MODELS["llama"],
 }  # fmt: skip
 
 
