@@ -546,7 +546,9 @@ def rotating_kv_states(
     if not appended:
         return state
     previous = before if chunks[-1] > 1 else None
-    return attrs.evolve(state, previous=previous, appended=chunks[-1])  # checked, as cls(...)
+    # attrs.evolve builds through the class, so the state is checked (mypy does not see
+    # state_class's classes as attrs classes).
+    return attrs.evolve(state, previous=previous, appended=chunks[-1])  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------
