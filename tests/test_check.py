@@ -177,3 +177,21 @@ def test_repr_is_a_summary_without_values():
     # Even an inconsistent state has a repr (it is what an error message shows).
     bad = kinds.trusted(ks.DenseKV)(K, mx.zeros((3, 2, 8, 4)), length="x")  # type: ignore[arg-type]
     assert "DenseKV(" in repr(bad)
+
+
+BAD_CODECS = [
+    ({"key_bits": 7}, "key_bits: 7 is not one of [2, 3, 4, 5, 6, 8]"),
+    ({"value_group_size": 48}, "value_group_size: 48 is not one of [32, 64, 128]"),
+    ({"key_pad": 64}, "key_pad: 64 zero channels; a pad is in 0..group_size-1"),
+    ({"value_pad": -1}, "value_pad: -1 is out of range"),
+    ({"rotation": "x"}, "rotation: 'x' is not one of"),
+    ({"seed": -1}, "seed: -1 is out of range"),
+]
+
+
+@pytest.mark.parametrize("kind", [ks.QuantizedKV, ks.QuantizedRotatingKV])
+@pytest.mark.parametrize(("statics", "expected"), BAD_CODECS)
+def test_both_quantized_kinds_refuse_the_same_codec_statics(kind, statics, expected):
+    """One codec check (kvstate._quantized.codec_problems) serves the quantized KV and the
+    quantized window."""
+    assert expected in problems_of(kinds.trusted(kind)(**statics))
