@@ -14,7 +14,8 @@ Sections (`--sections`, default all):
 
 - `throughput`: engine (no drafter) vs `BatchGenerator`, at each `--concurrency`, on the
   random-init `small` llama and on SmolLM2-135M (`--models`);
-- `ngram`: the engine with the n-gram drafter vs without, code-like and prose prompts;
+- `ngram`: the engine with the n-gram drafter vs without, code-like and prose prompts: its
+  default (`CostAwarePolicy`, a fresh one per run) and fixed k=4 (`adaptive=False`);
 - `chat`: a hybrid (qwen3_next-style, random-init) multi-turn chat of 8 turns behind a long
   history (`--history` tokens; default 4096 on a GPU, 1024 on the CPU): time to first
   token of each turn with the prefix cache vs without (mlx-lm's server re-prefills).
@@ -129,9 +130,9 @@ def text_schedule(c: int, tokenizer: Any, seed: int, code: bool) -> Schedule:
 
 
 def run_engine(
-    target: Any, plan: Schedule, c: int, drafter: Any = None
+    target: Any, plan: Schedule, c: int, drafter: Any = None, **options: Any
 ) -> tuple[list[list[int]], dict]:
-    engine = Engine(target, drafter() if callable(drafter) else drafter, max_batch=c)
+    engine = Engine(target, drafter() if callable(drafter) else drafter, max_batch=c, **options)
     requests, i, step = [], 0, 0
     while i < len(plan) or engine.has_work():
         while i < len(plan) and plan[i][0] <= step:
@@ -297,21 +298,28 @@ def section_ngram(args: argparse.Namespace) -> None:
                 plan = schedule(c, target.vocab_size, args.seed + 100 + c, code=code)
             plain, _ = run_engine(target, plan, c)
             drafted, stats = run_engine(target, plan, c, "ngram")
+            fixed, fixed_stats = run_engine(target, plan, c, "ngram", adaptive=False)
             runs = {
                 "ngram": lambda p=plan, c=c, t=target: run_engine(t, p, c, "ngram"),
+                "ngram k=4": lambda p=plan, c=c, t=target: run_engine(t, p, c, "ngram",
+                                                                     adaptive=False),
                 "plain": lambda p=plan, c=c, t=target: run_engine(t, p, c),
-            }
+            }  # fmt: skip
             rates, samples = figures(plan, runs, args.reps)
+            same = min(agreement(plain, drafted), agreement(plain, fixed))
             rows.append([
                 draft_size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
                 fmt_ratio(samples.paired_ratio("plain", "ngram")),
-                f"{stats['acceptance']:.2f}", f"{agreement(plain, drafted):.2f}",
+                fmt_ratio(samples.paired_ratio("plain", "ngram k=4")),
+                f"{stats['acceptance']:.2f} ({stats['drafted']})",
+                f"{fixed_stats['acceptance']:.2f} ({fixed_stats['drafted']})", f"{same:.2f}",
             ])  # fmt: skip
             say(f"  {rows[-1]}")
     say("")
     say(f"### engine with the n-gram drafter vs without ({draft_size}; greedy)")
     say(table(["model", "prompts", "concurrent", "ngram tok/s", "plain tok/s",
-               "ngram / plain", "acceptance", "same tokens"], rows))  # fmt: skip
+               "ngram / plain", "ngram k=4 / plain", "acceptance (drafts)",
+               "k=4 acceptance (drafts)", "same tokens"], rows))  # fmt: skip
 
 
 SECTIONS = {"throughput": section_throughput, "ngram": section_ngram, "chat": section_chat}

@@ -248,7 +248,8 @@ def test_a_prefix_hit_gives_the_tokens_of_a_cold_start(fixture, drafts, request)
     `_prefix_cache`)."""
     _, target, oracle = request.getfixturevalue(fixture)
     drafter = OracleDrafter(oracle, 0.7) if drafts else None
-    engine = Engine(target, drafter, max_batch=4, prefill_chunk=8, prefix_cache_bytes=10**8)
+    engine = Engine(target, drafter, max_batch=4, prefill_chunk=8, prefix_cache_bytes=10**8,
+                    adaptive=False)  # fmt: skip
     first = engine.submit(LONG, RequestParams(max_tokens=N))
     beside = engine.submit((5, 6), RequestParams(max_tokens=N))  # ragged with `first`
     run_all(engine)
@@ -396,7 +397,7 @@ def test_drafters_with_a_model_admit_rows_mid_generation(hybrid, kind):
     target as its own draft every draft is accepted."""
     model, target, oracle = hybrid
     drafter = ModelDrafter(wrap(model)) if kind == "model" else MTPDrafter(TargetHead(model))
-    engine = Engine(target, drafter, max_batch=3, prefill_chunk=8, k=3)
+    engine = Engine(target, drafter, max_batch=3, prefill_chunk=8, k=3, adaptive=False)
     requests: list[Request] = []
     for i, p in enumerate([LONG, (1, 2), (4, 4, 4, 4), (8,), (5, 6, 7)]):
         requests.append(engine.submit(p, RequestParams(max_tokens=N - i)))

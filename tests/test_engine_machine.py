@@ -30,7 +30,7 @@ import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.engine import Engine, Request, RequestParams
-from kvstate.speculative import ModelDrafter, NGramDrafter
+from kvstate.speculative import CostAwarePolicy, FixedCost, ModelDrafter, NGramDrafter
 
 from .engine_helpers import Oracle, OracleDrafter, expected
 
@@ -70,6 +70,9 @@ CASES: dict[str, Callable[[], Case]] = {
         "llama", lambda o: ModelDrafter(o.wrapped), {"bits": 4, "group_size": 32}, head_dim=32
     ),
 }
+# Cases whose rounds the cost-aware policy chooses (a scripted cost, so the examples are
+# reproducible: ragged per-row cuts, plain steps, probes); the others draft at fixed k.
+POLICY = {"llama+oracle drafts", "qwen3_next+oracle drafts", "nemotron_h+ngram"}
 _built: dict[str, tuple[Case, Oracle]] = {}
 
 
@@ -96,6 +99,11 @@ class EngineMachine(RuleBasedStateMachine):
             prefix_cache_bytes=CACHE_BYTES,
             kv_bits=self.case.kv,
             k=3,
+            **(
+                {"policy": CostAwarePolicy(cost=FixedCost(lambda w: 1.0 + 0.3 * w))}
+                if self.name in POLICY
+                else {"adaptive": False}
+            ),
         )
         self.requests: list[Request] = []
         self.cancelled: list[Request] = []  # cancelled since the last step
@@ -181,6 +189,10 @@ class EngineMachine(RuleBasedStateMachine):
             assert len(drafter.history) == rows
         if isinstance(drafter, ModelDrafter) and rows:
             assert ks.batch_size(drafter.state) == rows
+        policy = self.engine.policy
+        assert (policy is not None) == (self.name in POLICY)
+        if policy is not None:
+            assert len(policy.acceptance) == rows
 
     @invariant()
     def greedy_requests_decode_as_alone(self):

@@ -70,7 +70,7 @@ def greedy_truth(model: Any, prompt: tuple[int, ...], n: int) -> list[int]:
 def serve(model: Any, drafter: Any) -> tuple[dict[str, list[Request]], dict[str, Any]]:
     """Every request of COUNTS (and the greedy ones), a few arriving each step; the engine's
     stats after."""
-    engine = Engine(wrap(model), drafter, max_batch=48, k=2, seed=11)
+    engine = Engine(wrap(model), drafter, max_batch=48, k=2, seed=11, adaptive=False)
     order = [name for name, n in COUNTS.items() for _ in range(n)]
     rng = np.random.default_rng(3)
     rng.shuffle(order)

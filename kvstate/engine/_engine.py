@@ -50,7 +50,7 @@ from .. import (
 )
 from ..distributed import agree, group_of
 from ..kinds import config_mismatches, config_of, host_ints
-from ..speculative import Target, generation_keys, round_plan
+from ..speculative import CostAwarePolicy, Target, generation_keys, round_plan
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
 from ._params import Output, Request, RequestParams, checked_params, checked_prompt
@@ -81,8 +81,14 @@ class Engine:
     prefilled together in one forward at most (mlx-lm's `prefill_batch_size`). `prefix_cache_bytes`: the
     prefix cache's bound (`kvstate.nbytes` of its states; 0: no cache). `kv_bits`,
     `kv_group_size`, `kv_scheme`: quantized attention states (see `_kv.empty_state`). `k`:
-    the most drafts per round (`adaptive`: the depth moves between 1 and k as in
-    `generate`). `seed`: the engine's randomness (the drafter's keys and the seeds of
+    the most drafts per round. `adaptive` (the default, as in `generate`): with a drafter,
+    a `CostAwarePolicy` (`policy`, or a fresh one, kept for the engine's life: its cost
+    timings and each row's acceptance) chooses each round how many drafts each row
+    verifies, 0 .. k (0 for every row: a plain step, the drafter not even asked), for the
+    most tokens per unit of time; `adaptive=False`: every round asks for k drafts (fewer
+    near the rows' ends) and verifies them all (benchmarks, tests). On a model split over
+    processes the default is fixed k (each rank would time its rounds and choose
+    differently), as `generate`'s. The policy's estimates: `Engine.policy`. `seed`: the engine's randomness (the drafter's keys and the seeds of
     requests that give none). `max_prompt_tokens`: the longest prompt taken (default: the
     model's `max_position_embeddings` when it has one, else unbounded).
 
@@ -107,6 +113,7 @@ class Engine:
         kv_group_size: int = 64,
         kv_scheme: str = "uniform",
         adaptive: bool = True,
+        policy: CostAwarePolicy | None = None,
         max_prompt_tokens: int | None = None,
     ) -> None:
         if not (callable(target) and callable(getattr(target, "init_state", None))):
@@ -123,6 +130,16 @@ class Engine:
         _positive(kv_group_size, "kv_group_size")
         if not isinstance(adaptive, bool):
             raise StateError(f"Engine: adaptive must be a bool; got {adaptive!r}")
+        if policy is not None and not isinstance(policy, CostAwarePolicy):
+            raise StateError(
+                f"Engine: policy must be a kvstate.speculative.CostAwarePolicy or None; got a "
+                f"{type(policy).__name__}"
+            )
+        if policy is not None and not adaptive:
+            raise StateError(
+                "Engine: adaptive=False verifies k drafts every round; it takes no policy "
+                "(drop policy=, or adaptive=False)"
+            )
         if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**64):
             raise StateError(f"Engine: seed must be an int in 0..2**64-1; got {seed!r}")
         self.adaptive = adaptive
@@ -153,11 +170,15 @@ class Engine:
         self._prefilling: list[Prefilling] = []
         self._group = PrefillGroup(pads=pads_exactly(target, self._empty), hidden=self._plan.hidden)
         self._batch = Batch()
-        self._depth = self.k
+        self._depth = 0  # the depth the last round asked the drafter for
         self._next_id = 0
         self._counters = Counters()
         self._reference: Any = None  # a one-token state: what loaded cache states must match
         self._ranks = group_of(target)  # a split model: every step's decisions are agreed
+        self._policy = None
+        if made is not None and adaptive and (policy is not None or self._ranks is None):
+            self._policy = CostAwarePolicy() if policy is None else policy
+            self._policy.begin(0)
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -241,6 +262,12 @@ class Engine:
     def prefilling(self) -> tuple[Request, ...]:
         """The requests being prefilled, oldest first."""
         return tuple(p.request for p in self._prefilling)
+
+    @property
+    def policy(self) -> CostAwarePolicy | None:
+        """The drafting policy (None: no drafter, or fixed k): its `acceptance` per running
+        row, `cost_ratio(w)` and `last` decision say why the rounds draft what they do."""
+        return self._policy
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -404,11 +431,10 @@ class Engine:
             self.target,
             self._batch,
             self._drafting,
-            self._depth,
+            self._policy,
             k=self.k,
             plan=self._plan,
             vocab=self.vocab_size,
-            adaptive=self.adaptive,
             counters=self._counters,
         )
         alive = []
@@ -427,6 +453,8 @@ class Engine:
         self, rows: list[Row], state: Any, keys: list[mx.array], ready: list[Prefilling]
     ) -> None:
         self._batch.join(rows, state, keys)
+        if self._policy is not None:
+            self._policy.join(len(rows))
         if self._drafting is not None:
             prompts = [list(p.tokens) for p in ready]
             hidden = [p.hidden_states() for p in ready] if self._drafting.hidden else []
@@ -434,6 +462,8 @@ class Engine:
 
     def _leave(self, alive: list[int]) -> None:
         self._batch.keep(alive)
+        if self._policy is not None:
+            self._policy.keep(alive)
         if self._drafting is not None:
             self._drafting.keep(alive)
 
@@ -449,7 +479,7 @@ class Engine:
 
     def _decisions(self, out: _Outputs) -> list[int]:
         """What every rank of a split model must have decided alike in a step (one list for
-        `agree`): requests taken, rows running / prefilling / queued, the next depth, and per
+        `agree`): requests taken, rows running / prefilling / queued, the depth asked, and per
         output its request id, finish, and tokens (first tokens, accepted drafts, next
         tokens). Checked after the step's forwards and before its outputs are returned."""
         finishes = {None: 0, "stop": 1, "length": 2, "cancelled": 3}

@@ -1,15 +1,18 @@
-"""One round for every running row: the sampler and keys of this round's rows, the round
-itself (`kvstate.speculative.batch_round`: a plain step, or propose / verify / accept /
+"""One round for every running row: how many drafts it verifies (the engine's
+`CostAwarePolicy`, or fixed k), the sampler and keys of this round's rows, the round itself
+(`kvstate.speculative.batch_round`: a plain step, or propose / cut / verify / accept /
 commit), and what each row emits: its accepted drafts and next token, cut at its own
 `max_tokens` and first stop id, with their log-probabilities when asked for."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
 from ..speculative import (
+    CostAwarePolicy,
     Round,
     RoundPlan,
     RowSampler,
@@ -31,43 +34,62 @@ class Emitted(NamedTuple):
     reason: str | None
 
 
+class FixedDepth:
+    """The engine's drafting at fixed k (`Engine(adaptive=False)`): every round asks for
+    `k` drafts (fewer near the rows' ends) and verifies what the drafter proposed; it keeps
+    the counts verified (what `CostAwarePolicy.last.counts` holds for the policy)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]:
+        self.counts = list(counts)
+        return self.counts
+
+
 def run_round(
     target: Target,
     batch: Batch,
     drafting: Drafting | None,
-    depth: int,
+    policy: CostAwarePolicy | None,
     *,
     k: int,
     plan: RoundPlan,
     vocab: int,
-    adaptive: bool,
     counters: Counters,
 ) -> tuple[list[Emitted], int]:
     """One round over `batch` (at least one row): each row's emission, in batch order, and
-    the next round's depth. The batch's state, keys and rows' last tokens and histories
-    move on; rows stay (the caller retires the finished ones)."""
+    the depth the drafter was asked for. With a drafter, `policy` (None: fixed k) chooses
+    the depth and each row's drafts, as the generator drives it (`depth`, `cut` or `plain`,
+    `observe`). The batch's state, keys and rows' last tokens and histories move on; rows
+    stay (the caller retires the finished ones)."""
     rows = batch.rows
-    budget = max(r.remaining for r in rows) - 1  # drafts any row can still use
-    asked = min(depth, budget)
+    room = [r.remaining for r in rows]
+    budget = max(room) - 1  # drafts any row can still use
+    asked = 0
+    if drafting is not None and budget > 0:
+        asked = min(k, budget) if policy is None else policy.depth(k, room)
+    if policy is not None and asked == 0:
+        policy.plain(len(rows))
     samplers = [r.request.params.sampler for r in rows]
     sampler, key = _round_sampler(batch, samplers)
-    drafter = None
-    if drafting is not None and asked > 0:
-        drafter = batch.gate.gated(drafting.drafter, [row.remaining for row in rows])
+    fixed = FixedDepth() if policy is None else None
+    drafter = drafting.drafter if drafting is not None and asked > 0 else None
     batch.state, r = batch_round(
         target, batch.take(), [row.last for row in rows], drafter, asked, sampler, key, plan,
-        k=k, vocab=vocab,
+        k=k, vocab=vocab, policy=policy if fixed is None else fixed, room=room,
     )  # fmt: skip
     if drafting is not None and budget > 0:  # budget 0: every row ends with this round
         drafting.accept(r.fed, r.kept, r.hidden)
     counters.rounds += 1
-    counters.drafted += sum(batch.gate.counts)  # the drafts verified (after the gate's cuts)
-    batch.gate.update(r.accepted)
+    if drafter is not None:  # the drafts verified (after the policy's cuts)
+        chose = fixed if fixed is not None else policy.last if policy is not None else None
+        counters.drafted += sum(chose.counts) if chose is not None else 0
+    if policy is not None:
+        policy.observe(r.accepted)
     if r.span:
         counters.accepted += sum(r.accepted)
-        if adaptive:
-            depth = _adapted(depth, k, r.accepted, r.span)
-    return _emitted(rows, r), depth
+    return _emitted(rows, r), asked
 
 
 def _round_sampler(batch: Batch, samplers: list[Sampler]) -> tuple[Sampler, mx.array | None]:
@@ -126,13 +148,3 @@ def chosen_logprobs(logits: mx.array, tokens: dict[int, list[int]]) -> dict[int,
     scores = mx.take_along_axis(picked, ids[..., None], axis=-1)[..., 0]
     values = cast(list[list[float]], (scores - mx.logsumexp(picked, axis=-1)).tolist())
     return {b: values[i][: len(tokens[b])] for i, b in enumerate(rows)}
-
-
-def _adapted(depth: int, k: int, accepted: list[int], span: int) -> int:
-    """The next round's depth, as the generator adapts it: one more after a round whose
-    every row accepted all `span` drafts, one fewer after one with none accepted."""
-    if all(a == span for a in accepted):
-        return min(k, depth + 1)
-    if not any(accepted):
-        return max(1, depth - 1)
-    return depth

@@ -10,7 +10,6 @@ from typing import Any
 import mlx.core as mx
 
 from .. import extend, filter
-from ._gate import RowGate
 from ._params import Request
 
 
@@ -38,7 +37,6 @@ class Batch:
         self.rows: list[Row] = []
         self.state: Any = None
         self.keys: mx.array | None = None
-        self.gate = RowGate()  # which rows' drafts the rounds verify
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -54,11 +52,9 @@ class Batch:
             self.state = extend(self._take(), added)
             self.keys = mx.concatenate([self.keys, new_keys])
         self.rows += rows
-        self.gate.join(len(rows))
 
     def keep(self, alive: list[int]) -> None:
         """Only the rows at positions `alive` stay, in this order (none: the batch empties)."""
-        self.gate.keep(alive)
         if not alive:
             self.rows, self.state, self.keys = [], None, None
             return

@@ -5,18 +5,52 @@ propose / verify / accept / commit. The words are the package glossary's."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from .. import StateError, capabilities
-from ._checks import checked_proposal
-from ._drafter import Drafter, uses_hidden
+from ._checks import Drafts, checked_proposal
+from ._drafter import Drafter, uses_hidden, with_counts
 from ._linear_round import linear_round, plain_step
 from ._replay import commit_may_be_refused
 from ._round import Round, RoundPlan
 from ._sampling import Sampler
 from ._target import Target
+
+
+class Cutter(Protocol):
+    """What cuts a round's proposal (`CostAwarePolicy.cut`): the drafts each row verifies,
+    from the counts proposed, each row's room (tokens it may still emit) and the drafter's
+    confidence labels (None: none)."""
+
+    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]: ...
+
+
+def proposal_of(
+    drafter: Drafter,
+    last: list[int],
+    asked: int,
+    sampler: Sampler,
+    *,
+    k: int,
+    vocab: int,
+    policy: Cutter | None = None,
+    room: Sequence[int] | None = None,
+) -> Drafts:
+    """`drafter`'s proposal of up to `asked` drafts per row after `last`, checked (as
+    `checked_proposal` checks it), and with `policy` cut to the drafts each row verifies
+    (`policy.cut(counts, room, drafter.confidence)`): what the generator and `batch_round`
+    verify alike."""
+    proposed = drafter.propose(last, asked, sampler)
+    proposal = checked_proposal(proposed, len(last), asked, k, vocab)
+    if policy is not None:
+        assert room is not None
+        cut = policy.cut(proposal.counts, room, getattr(drafter, "confidence", None))
+        if cut != proposal.counts:  # fewer drafts verified: the proposal re-cut
+            proposal = checked_proposal(with_counts(proposed, cut), len(last), max(cut), k, vocab)
+    return proposal
 
 
 def round_plan(state: Any, drafter: Any = None) -> RoundPlan:
@@ -41,6 +75,8 @@ def batch_round(
     *,
     k: int,
     vocab: int,
+    policy: Cutter | None = None,
+    room: Sequence[int] | None = None,
 ) -> tuple[Any, Round]:
     """One round for every row of `state`: with `drafter` and `asked` > 0, row b's drafts
     after its `last` token (at most `asked`, this round's depth; `k` the most any round
@@ -51,6 +87,11 @@ def batch_round(
     only reference (MLX then writes the verify into its buffers) and tells the drafter
     what was kept (`drafter.accept(r.fed, r.kept)`).
 
+    `policy` (a `CostAwarePolicy`, or anything with its `cut`) and `room` (the tokens each
+    row may still emit): the proposal is cut to the drafts `policy.cut` chooses, as the
+    generator cuts it (the caller asks `policy.depth` for `asked` before, tells it
+    `policy.plain(rows)` when it asks nothing, and `policy.observe(r.accepted)` after).
+
     Every draft is checked as the generator checks it (`DrafterError`, `TokenError`)."""
     # Hand `state` over to the round: a reference held here while the verify runs would
     # make MLX copy every KV buffer instead of writing into it.
@@ -60,8 +101,8 @@ def batch_round(
         raise StateError("batch_round: a sampled round needs a key (or row keys)")
     proposal = None
     if drafter is not None and asked > 0:
-        proposed = drafter.propose(last, asked, sampler)
-        proposal = checked_proposal(proposed, len(last), asked, k, vocab)
+        proposal = proposal_of(drafter, last, asked, sampler, k=k, vocab=vocab, policy=policy,
+                               room=room)  # fmt: skip
     if proposal is None or max(proposal.counts) == 0:
         return plain_step(target, box.pop(), last, sampler, key, plan.hidden)
     return linear_round(target, box.pop(), last, proposal, sampler, key, plan, vocab)

@@ -19,16 +19,16 @@ import mlx.core as mx
 from .. import NotSupportedError, StateError, capabilities, filter
 from ..distributed import agree, group_of
 from ..kinds import host_ints
+from ._batch_round import proposal_of
 from ._checks import (
     Extras,
     checked_call,
     checked_extras,
-    checked_proposal,
     checked_tree,
     is_linked,
     start_keywords,
 )
-from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden, with_counts
+from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
 from ._generation import Counts, Finals, Generation
 from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
@@ -292,13 +292,8 @@ def _rounds(
         if policy is not None and budget > 0:
             asked = policy.depth(k, room, cheap=True if tree is not None else None)
         if asked > 0 and tree is None:
-            proposed = cast(Drafter, drafter).propose(Made(live.last), asked, sampler)
-            proposal = checked_proposal(proposed, len(live.last), asked, k, vocab)
-            if policy is not None:
-                cut = policy.cut(proposal.counts, room, getattr(drafter, "confidence", None))
-                if cut != proposal.counts:  # fewer drafts verified: the proposal re-cut
-                    proposed = with_counts(proposed, cut)
-                    proposal = checked_proposal(proposed, len(live.last), max(cut), k, vocab)
+            proposal = proposal_of(cast(Drafter, drafter), Made(live.last), asked, sampler,
+                                   k=k, vocab=vocab, policy=policy, room=room)  # fmt: skip
         elif asked > 0:
             tree_drafter = cast(TreeDrafter, drafter)
             proposed_tree = tree_drafter.propose_tree(live.last[0], asked, sampler)
