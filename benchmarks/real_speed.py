@@ -216,7 +216,17 @@ def speed(samples: Samples, a: str, b: str) -> str:
     return fmt_ratio((med, lo, hi))
 
 
-def report(name: str, kind: str, rows: dict[str, Row], samples: Samples) -> None:
+def command(name: str, kind: str, args: argparse.Namespace) -> str:
+    """The command that measures one (model, kind) group of rows again."""
+    return (
+        f"`real_speed.py --models {name} --kinds {kind} --tokens {args.tokens} --reps {args.reps}"
+        f" --prompts {args.prompts} --dtype {args.dtype} --draft-tokens {args.draft_tokens}`"
+    )
+
+
+def report(
+    name: str, kind: str, rows: dict[str, Row], samples: Samples, args: argparse.Namespace
+) -> None:
     for contender in (
         "kvstate n-gram", "kvstate 4-bit draft", "kvstate plain", "speculative_generate_step",
     ):  # fmt: skip
@@ -237,7 +247,7 @@ def report(name: str, kind: str, rows: dict[str, Row], samples: Samples) -> None
             f"| {name} | {kind} | {label} | {row.tokens / row.seconds:.1f} | "
             f"{rows['generate_step'].tokens / rows['generate_step'].seconds:.1f} | "
             f"{speed(samples, contender, 'generate_step')} | {over_spec} | {share} | "
-            f"{row.agreement()} |"
+            f"{row.agreement()} | {command(name, kind, args)} |"
         )
 
 
@@ -265,9 +275,9 @@ def main() -> None:
     )
     say(
         "| model | kind | generator | tok/s | generate_step tok/s | / generate_step "
-        "| / speculative_generate_step | from drafts | agrees with generate_step |"
+        "| / speculative_generate_step | from drafts | agrees with generate_step | command |"
     )
-    say("|---|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model, tokenizer = target_model(name, args.dtype)
         draft = quantized_draft(model, bits=4)
@@ -284,7 +294,7 @@ def main() -> None:
                     f"<!-- {name} {kind}: prompt + tokens reach the {window(model)}-token "
                     "window on some prompt: mlx-lm cannot trim its caches there (n/a) -->"
                 )
-            report(name, kind, rows, samples)
+            report(name, kind, rows, samples, args)
     progress("done")
 
 
