@@ -30,10 +30,13 @@ on every prompt (those runs are the warm-up); a row says how many prompts agree 
 the first difference is (in bf16 a verify forward of k + 1 tokens may round differently from
 one-token steps: a near tie may then flip; fp32 should agree everywhere). Timing: each
 repetition runs every contender once, back to back, in a rotating order (benchmarks/_harness);
-a ratio is the median over the (prompt, repetition) pairs of the per-pair speed ratio, with
-its [p25, p75]; tok/s is tokens over the median time, summed over the prompts (a run's time
-includes its prefill, the same prompt for every contender). "from drafts": the share of the
-generated tokens that were accepted drafts.
+tok/s counts the tokens after the first round over the time after it (the first round: the
+prefill's token, as mlx-lm's "generation tok/s"; speculative_generate_step yields nothing
+before its first verify, so there the first round is the prefill and that verify), from the
+median of each prompt's repetitions, averaged over prompts (seconds a token); a ratio is the median over the (prompt, repetition) pairs of the per-pair speed ratio, with its
+[p25, p75]. "prefill in": the same ratio of whole runs (prefill included: on a slow CPU with
+few tokens the prefill dominates it). "from drafts": the share of the generated tokens that
+were accepted drafts.
 
     .venv/bin/python benchmarks/real_speed.py --quick --tokens 24      # a shared 2-core CPU
     .venv/bin/python benchmarks/real_speed.py --models smollm2-135m --kinds code
@@ -47,9 +50,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,7 @@ START = time.perf_counter()
 
 # (tokens, from-draft count) of one run
 Run = Callable[[], tuple[list[int], int]]
+Pairs = Iterable[tuple[int, bool]]  # (token, whether it was an accepted draft)
 
 
 def say(text: str) -> None:
@@ -120,26 +125,44 @@ def window(model: nn.Module) -> int | None:
 
 def runs_for(
     model: nn.Module, draft: nn.Module, targets: tuple[Any, Any], prompt: list[int], n: int,
-    draft_tokens: int,
+    draft_tokens: int, decode: dict[str, list[float]],
 ) -> dict[str, Run]:  # fmt: skip
-    """The contenders of one prompt, each returning (tokens, tokens that came from drafts)."""
+    """The contenders of one prompt, each returning (tokens, tokens that came from drafts) and
+    appending its seconds per token after its first round to `decode[name]` (the first round:
+    the prefill's token; mlx-lm's speculative_generate_step yields its first token only after
+    the prefill and its first verify: that round's tokens)."""
     target, wrapped_draft = targets
 
-    def mlx_plain() -> tuple[list[int], int]:
-        return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)], 0
+    def mlx_plain() -> Pairs:
+        return ((int(t), False) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n))
 
-    def mlx_spec() -> tuple[list[int], int]:
+    def mlx_spec() -> Pairs:
         steps = speculative_generate_step(
             mx.array(prompt), model, draft, num_draft_tokens=draft_tokens, max_tokens=n
         )
-        out = [(int(t), bool(d)) for t, _, d in steps]
-        return [t for t, _ in out], sum(d for _, d in out)
+        return ((int(t), bool(d)) for t, _, d in steps)
 
-    def ours(drafter: Any) -> tuple[list[int], int]:
-        out = [t for r in generate(target, [prompt], drafter, max_tokens=n) for t in r]
-        return [t.token for t in out], sum(t.from_draft for t in out)
+    def ours(drafter: Any) -> Pairs:
+        rounds = generate(target, [prompt], drafter, max_tokens=n)
+        return ((t.token, t.from_draft) for r in rounds for t in r)
 
-    runs: dict[str, Run] = {
+    def timed(name: str, pairs: Callable[[], Pairs]) -> Run:
+        def run() -> tuple[list[int], int]:
+            tokens: list[int] = []
+            drafted = 0
+            first, counted = 0.0, 0
+            for token, from_draft in pairs():
+                tokens.append(token)
+                drafted += from_draft
+                if not first and not from_draft:  # the end of the first round
+                    first, counted = time.perf_counter(), len(tokens)
+            seconds = time.perf_counter() - first
+            decode.setdefault(name, []).append(seconds / max(len(tokens) - counted, 1))
+            return tokens, drafted
+
+        return run
+
+    makers: dict[str, Callable[[], Pairs]] = {
         "generate_step": mlx_plain,
         "kvstate n-gram": lambda: ours(NGramDrafter()),
         "kvstate 4-bit draft": lambda: ours(ModelDrafter(wrapped_draft)),
@@ -147,8 +170,8 @@ def runs_for(
     }
     limit = window(model)
     if limit is None or len(prompt) + n + draft_tokens + 1 < limit:
-        runs["speculative_generate_step"] = mlx_spec
-    return runs
+        makers["speculative_generate_step"] = mlx_spec
+    return {name: timed(name, make) for name, make in makers.items()}
 
 
 class Row:
@@ -160,7 +183,7 @@ class Row:
         self.first_difference: list[str] = []
         self.tokens = 0
         self.from_drafts = 0
-        self.seconds = 0.0  # sum over prompts of the median time
+        self.per_token: list[float] = []  # each prompt's median seconds a token after round 1
 
     def check(self, index: int, got: list[int], want: list[int], from_drafts: int) -> None:
         self.prompts += 1
@@ -178,34 +201,43 @@ class Row:
         text = f"{self.agree}/{self.prompts}"
         return text + (f" ({'; '.join(self.first_difference)})" if self.first_difference else "")
 
+    def rate(self) -> float:
+        """Tokens/s after the first round (the prompts' mean seconds a token)."""
+        return len(self.per_token) / sum(self.per_token)
+
 
 def measure_kind(
     model: nn.Module, draft: nn.Module, targets: tuple[Any, Any], prompts: list[list[int]],
     args: argparse.Namespace, label: str,
-) -> tuple[dict[str, Row], Samples, bool]:  # fmt: skip
-    """Check and time every contender on every prompt; the samples of all prompts pooled (the
-    per-repetition pairs of each prompt, in order), and whether mlx-lm speculated on all."""
+) -> tuple[dict[str, Row], Samples, Samples, bool]:  # fmt: skip
+    """Check and time every contender on every prompt: (rows, decode samples, whole-run
+    samples, whether mlx-lm speculated on every prompt); the samples of all prompts pooled
+    (each prompt's per-repetition pairs, in order)."""
     rows: dict[str, Row] = {}
-    pooled = Samples()
+    decode_pooled, whole_pooled = Samples(), Samples()
     spec_everywhere = True
     for i, prompt in enumerate(prompts):
-        runs = runs_for(model, draft, targets, prompt, args.tokens, args.draft_tokens)
+        decode: dict[str, list[float]] = {}
+        runs = runs_for(model, draft, targets, prompt, args.tokens, args.draft_tokens, decode)
         spec_everywhere &= "speculative_generate_step" in runs
         want, _ = runs["generate_step"]()
         for name, run in runs.items():
             got, drafted = run()
             rows.setdefault(name, Row()).check(i, got, want, drafted)
         progress(f"{label} prompt {i} ({len(prompt)} tokens): checked, timing {args.reps} reps")
+        decode.clear()
         samples = interleave(
             [Contender(name, lambda _, f=f: f()) for name, f in runs.items()], args.reps, warmup=0
         )
         for name in runs:
-            pooled.times.setdefault(name, []).extend(samples.times[name])
-            rows[name].seconds += samples.median(name)
+            whole_pooled.times.setdefault(name, []).extend(samples.times[name])
+            decode_pooled.times.setdefault(name, []).extend(decode[name])
+            rows[name].per_token.append(statistics.median(decode[name]))
     if not spec_everywhere:  # pool only over prompts where every contender ran
-        pooled.times.pop("speculative_generate_step", None)
+        for pooled in (decode_pooled, whole_pooled):
+            pooled.times.pop("speculative_generate_step", None)
         rows.pop("speculative_generate_step", None)
-    return rows, pooled, spec_everywhere
+    return rows, decode_pooled, whole_pooled, spec_everywhere
 
 
 def speed(samples: Samples, a: str, b: str) -> str:
@@ -225,28 +257,30 @@ def command(name: str, kind: str, args: argparse.Namespace) -> str:
 
 
 def report(
-    name: str, kind: str, rows: dict[str, Row], samples: Samples, args: argparse.Namespace
-) -> None:
+    name: str, kind: str, rows: dict[str, Row], decode: Samples, whole: Samples,
+    args: argparse.Namespace,
+) -> None:  # fmt: skip
+    base = rows["generate_step"].rate()
     for contender in (
         "kvstate n-gram", "kvstate 4-bit draft", "kvstate plain", "speculative_generate_step",
     ):  # fmt: skip
         row = rows.get(contender)
-        if row is None or row.seconds == 0:
+        if row is None:
             continue
         if contender == "speculative_generate_step":
             over_spec = "—"
             label = "mlx-lm speculative_generate_step (4-bit draft)"
         elif contender == "kvstate 4-bit draft":
-            over_spec = speed(samples, contender, "speculative_generate_step")
+            over_spec = speed(decode, contender, "speculative_generate_step")
             label = contender
         else:
             over_spec = "— (mlx-lm has no prompt lookup)" if "n-gram" in contender else "—"
             label = contender
         share = f"{row.from_drafts / max(row.tokens, 1):.0%}" if "plain" not in contender else "—"
         say(
-            f"| {name} | {kind} | {label} | {row.tokens / row.seconds:.1f} | "
-            f"{rows['generate_step'].tokens / rows['generate_step'].seconds:.1f} | "
-            f"{speed(samples, contender, 'generate_step')} | {over_spec} | {share} | "
+            f"| {name} | {kind} | {label} | {row.rate():.1f} | {base:.1f} | "
+            f"{speed(decode, contender, 'generate_step')} | "
+            f"{speed(whole, contender, 'generate_step')} | {over_spec} | {share} | "
             f"{row.agreement()} | {command(name, kind, args)} |"
         )
 
@@ -275,9 +309,10 @@ def main() -> None:
     )
     say(
         "| model | kind | generator | tok/s | generate_step tok/s | / generate_step "
-        "| / speculative_generate_step | from drafts | agrees with generate_step | command |"
+        "| / generate_step, prefill in | / speculative_generate_step | from drafts "
+        "| agrees with generate_step | command |"
     )
-    say("|---|---|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model, tokenizer = target_model(name, args.dtype)
         draft = quantized_draft(model, bits=4)
@@ -286,7 +321,7 @@ def main() -> None:
         progress(f"{name} loaded ({args.dtype}; draft: its 4-bit copy)")
         for kind in args.kinds:
             prompts = [encoded(tokenizer, kind, t) for t in prompt_texts(kind, args.prompts)]
-            rows, samples, spec_everywhere = measure_kind(
+            rows, decode, whole, spec_everywhere = measure_kind(
                 model, draft, targets, prompts, args, f"{name} {kind}"
             )
             if not spec_everywhere:
@@ -294,7 +329,7 @@ def main() -> None:
                     f"<!-- {name} {kind}: prompt + tokens reach the {window(model)}-token "
                     "window on some prompt: mlx-lm cannot trim its caches there (n/a) -->"
                 )
-            report(name, kind, rows, samples, args)
+            report(name, kind, rows, decode, whole, args)
     progress("done")
 
 
