@@ -7,6 +7,7 @@
 #   bash benchmarks/h200.sh tests quantized decode     (one call)
 #   bash benchmarks/h200.sh spec drafters              (the next)
 #   SEEDS=1,2 bash benchmarks/h200.sh drafters         (seeds of the draft-model generator rows)
+#   KVSTATE_MODEL_CACHE=/path/to/models bash benchmarks/h200.sh real-speed   (the real models)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -82,6 +83,9 @@ with wrap_options(buckets=$force):
     step 300 trees env MLX_ENABLE_TF32=0 python3 benchmarks/tree_generate.py --size large \
       --models "${MODELS:-llama,qwen3_next}" --reps 3
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all] [plain-tests]"; exit 2 ;;
+  real-speed)  # the packaged real models (KVSTATE_MODEL_CACHE: their converted folders), bf16, ~4 min
+    step 280 real-speed python3 benchmarks/real_speed.py ${REAL_SPEED_ARGS:-}
+    ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all] [plain-tests] [real-speed]"; exit 2 ;;
 esac
 done
