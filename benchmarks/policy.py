@@ -145,8 +145,8 @@ def smollm(args: argparse.Namespace, ks: Any) -> None:
     target = wrap(model)
 
     def chat(text: str) -> list[int]:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return tokenizer.encode(rendered)
+        messages = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
     make = NGramDrafter
     if "smollm" in args.parts:
