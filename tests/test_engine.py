@@ -16,7 +16,14 @@ import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.engine import Engine, Request, RequestParams
-from kvstate.speculative import ModelDrafter, MTPDrafter, NGramDrafter, Sampler
+from kvstate.speculative import (
+    CostAwarePolicy,
+    FixedCost,
+    ModelDrafter,
+    MTPDrafter,
+    NGramDrafter,
+    Sampler,
+)
 
 from .engine_helpers import Oracle, OracleDrafter, expected, run_all
 from .test_mtp_drafter import TargetHead
@@ -127,6 +134,46 @@ def test_a_drafter_that_cannot_admit_rows_is_refused(llama):
         Engine(target, FixedRows())
     with pytest.raises(ks.StateError, match="drafter"):
         Engine(target, "medusa")
+
+
+def test_the_policy_options(llama):
+    """The default with a drafter is a CostAwarePolicy (adaptive=False: fixed k, none);
+    a policy that is not one, or one with adaptive=False, is refused."""
+    _, target, _ = llama
+    assert isinstance(Engine(target, "ngram").policy, CostAwarePolicy)
+    assert Engine(target, "ngram", adaptive=False).policy is None
+    assert Engine(target).policy is None
+    mine = CostAwarePolicy()
+    assert Engine(target, "ngram", policy=mine).policy is mine
+    with pytest.raises(ks.StateError, match="policy"):
+        Engine(target, "ngram", policy=object())
+    with pytest.raises(ks.StateError, match="adaptive=False"):
+        Engine(target, "ngram", policy=mine, adaptive=False)
+
+
+@pytest.mark.parametrize("dear", [False, True])
+def test_the_policy_chooses_the_drafts_the_rounds_verify(llama, dear):
+    """Where a verify costs little the engine's rounds verify drafts; where it costs ten
+    plain steps a draft, none but the policy's probes (2 drafts at most, rarely); the tokens
+    are the oracle's either way, and the policy keeps one estimate per running row."""
+    _, target, oracle = llama
+    cost = FixedCost(lambda w: 1.0 + (10.0 if dear else 0.05) * w)
+    engine = Engine(target, OracleDrafter(oracle, 0.9), max_batch=3, k=3,
+                    policy=CostAwarePolicy(cost=cost))  # fmt: skip
+    requests = [engine.submit(p, RequestParams(max_tokens=N)) for p in [LONG, (1, 2), (5,)]]
+    rounds = 0
+    while engine.has_work():
+        engine.step()
+        rounds += 1
+        assert engine.policy is not None
+        assert len(engine.policy.acceptance) == len(engine.running)
+    for r in requests:
+        assert r.tokens == expected(r, oracle(r.prompt))
+    drafted = engine.stats()["drafted"]
+    if dear:
+        assert drafted <= 2 * 3 * (rounds // 8 + 1)  # probes only
+    else:
+        assert drafted > 3 * rounds // 2
 
 
 def test_an_mtp_drafter_with_a_prefix_cache_is_refused(llama):

@@ -458,12 +458,24 @@ class CostAwarePolicy:
         most = max((len(c) for c in chains), default=0)
         best = (0, float(rows), 1.0)
         score = float(rows)
+        # Each row's expected tokens after 0 .. len(chain) drafts, in one pass per row (a
+        # row with fewer drafts than w keeps its last figure).
+        totals = [self._running(b, c) for b, c in enumerate(chains)]
         for w in range(1, most + 1):
-            expected = sum(self._expected(b, c[:w]) for b, c in enumerate(chains))
+            expected = sum(t[min(w, len(t) - 1)] for t in totals)
             ratio = self.cost.ratio(rows, w)
             if expected / ratio > score * (1 + 1e-9):
                 best, score = (w, expected, ratio), expected / ratio
         return best
+
+    def _running(self, row: int, labels: list[Any]) -> list[float]:
+        """Row `row`'s expected tokens from its first 0, 1, .. len(labels) drafts."""
+        out, total, chance = [1.0], 1.0, 1.0
+        for label in labels:
+            chance *= self._alpha(row, label)
+            total += chance
+            out.append(total)
+        return out
 
     def _expected(self, row: int, labels: list[Any]) -> float:
         """Row `row`'s expected tokens from drafts with these labels (and its next token)."""
