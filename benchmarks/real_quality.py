@@ -54,6 +54,41 @@ KVSTATE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     for rot in (None, "hadamard", "so4")
 ]  # fmt: skip
 TURBOQUANT_BITS = (3, 3.5, 4)
+KIND_WORDS = {"dense-only": ks.DenseKV, "windows-only": ks.RotatingKV}
+
+
+def kvstate_option(spec: str) -> tuple[str, dict[str, Any], type | None]:
+    """(label, `quantize` keywords, the one layer kind to quantize or None) of an option
+    written as words: "K4/V3" (key / value bits), then any of a rotation ("hadamard", "so4"),
+    "g32" (both group sizes), "kg32" / "vg32" (one side's), "dense-only" / "windows-only"
+    (quantize only the global or only the sliding-window layers). Default group 64."""
+    words = spec.split()
+    bits = words[0].upper().removeprefix("K").split("/V")
+    kw: dict[str, Any] = {"key_bits": int(bits[0]), "value_bits": int(bits[1]), "group_size": 64}
+    kind = None
+    for w in words[1:]:
+        if w in ("hadamard", "so4", "none"):
+            kw["rotation"] = w
+        elif w in KIND_WORDS:
+            kind = KIND_WORDS[w]
+        elif w.startswith(("kg", "vg")):
+            kw[("key" if w[0] == "k" else "value") + "_group_size"] = int(w[2:])
+        elif w.startswith("g"):
+            kw["group_size"] = int(w[1:])
+        else:
+            raise SystemExit(f"option {spec!r}: unknown word {w!r}")
+    return spec, kw, kind
+
+
+def quantize_some(state: Any, kw: dict[str, Any], kind: type | None) -> Any:
+    """`ks.quantize(state, **kw)`, or only its layers of `kind`."""
+    if kind is None:
+        return ks.quantize(state, **kw)
+    return ks.ModelState(
+        tuple(ks.quantize(p, **kw) if type(p) is kind else p for p in state.layers)
+    )
+
+
 MLX_LM_BITS = (4, 8)
 
 
@@ -82,16 +117,44 @@ def text_ids(tokenizer: Any, text: str, tokens: int) -> list[int]:
 # ---------------------------------------------------------------------------- reading
 
 
+def score_every(model: Any, every: int) -> None:
+    """Make `model`'s output head compute the logits of every `every`-th position of a
+    forward only (positions every-1, 2*every-1, ...; all of them at 1): on a slow CPU the
+    head over Gemma's 262k vocabulary costs 4x the body. The body, and so every cache, still
+    reads every position."""
+    if every == 1:
+        return
+    inner = model.model
+    tied = getattr(model, "tie_word_embeddings", None)
+    tied = model.args.tie_word_embeddings if tied is None else tied
+    head = inner.embed_tokens.as_linear if tied else model.lm_head
+
+    def scored(h: mx.array) -> mx.array:
+        return head(h[:, every - 1 :: every])
+
+    # The wrapper NaNs the logits rows of out-of-vocabulary ids, row for row with the
+    # input: the text's ids are all in the vocabulary, and its rows are no longer the input's.
+    import kvstate.adapters.wrapped.model as wrapped
+
+    wrapped.poisoned = lambda logits, bad: logits  # type: ignore[assignment]
+    if tied:
+        inner.embed_tokens.as_linear = scored
+    else:
+        model.lm_head = scored
+
+
 def read_text(
-    forward: Callable[[mx.array], mx.array], ids: list[int], chunk: int
+    forward: Callable[[mx.array], mx.array], ids: list[int], chunk: int, every: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """(per-position NLL, per-position argmax) of the text `ids` read in chunks through
-    `forward` (chunk ids -> that chunk's logits, the cache carried by `forward`)."""
+    `forward` (chunk ids -> that chunk's logits, the cache carried by `forward`); with
+    `every` > 1 (see `score_every`) of every `every`-th position only."""
     nll: list[np.ndarray] = []
     picks: list[np.ndarray] = []
+    assert chunk % every == 0, "chunks must be whole multiples of --score-every"
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk]
-        targets = ids[start + 1 : start + len(piece) + 1]
+        targets = ids[start + every : start + len(piece) + 1 : every]
         logits = forward(mx.array([piece]))[0, : len(targets)].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
@@ -149,12 +212,22 @@ def quantized_layers(state: Any) -> str:
 
 
 def options(
-    model: Any, m: Any
+    model: Any, m: Any, chosen: list[str] | None = None
 ) -> list[tuple[str, Callable[[], Callable[[mx.array], mx.array]], str]]:
-    """(name, a fresh forward, layers quantized) for every cache option."""
+    """(name, a fresh forward, layers quantized) for every cache option (`chosen`: only the
+    unquantized reference and these kvstate options, see `kvstate_option`)."""
     empty = m.init_state()
     found: list[tuple[str, Callable[[], Callable[[mx.array], mx.array]], str]] = []
     found.append(("unquantized", lambda: through_state(m, m.init_state()), "0"))
+    if chosen is not None:
+        for label, kw, kind in map(kvstate_option, chosen):
+            made = quantize_some(empty, kw, kind)
+            found.append(
+                (label,
+                 lambda kw=kw, kind=kind: through_state(m, quantize_some(m.init_state(), kw, kind)),
+                 quantized_layers(made))
+            )  # fmt: skip
+        return found
     for bits in MLX_LM_BITS:
         quantized = sum(type(c) is QuantizedKVCache for c in mlx_lm_quantized(model, bits))
         found.append(
@@ -196,23 +269,27 @@ def run(
     chunk: int,
     dtype: mx.Dtype,
     given: dict[str, dict[str, list[int]]] | None = None,
+    chosen: list[str] | None = None,
+    every: int = 1,
 ) -> None:
     for spec in models:
         started = time.perf_counter()
         name, model, tokenizer = load(spec, dtype)
+        score_every(model, every)
         m = wrap(model)
         print(f"\n## {name} ({dtype}, loaded in {time.perf_counter() - started:.1f} s)\n")
         for text in texts:
             ids = given[name][text][:tokens] if given else text_ids(tokenizer, text, tokens)
-            print(f"### {text}: {len(ids)} tokens, chunks of {chunk}\n")
+            scored = "" if every == 1 else f", NLL of every {every}th position"
+            print(f"### {text}: {len(ids)} tokens, chunks of {chunk}{scored}\n")
             print(
                 "| cache | layers quantized | mean NLL | perplexity | vs unquantized | top-1 agreement |"
             )
             print("|---|---|---|---|---|---|", flush=True)  # fmt: skip
             reference: tuple[float, np.ndarray] | None = None
-            for label, make, layers in options(model, m):
+            for label, make, layers in options(model, m, chosen):
                 try:
-                    nll, picks = read_text(make(), ids, chunk)
+                    nll, picks = read_text(make(), ids, chunk, every)
                 except Exception as e:  # a row that cannot run says why; the others go on
                     print(f"| {label} | {layers} | failed: {type(e).__name__}: {str(e)[:120]} |")
                     continue
@@ -238,6 +315,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--write-ids", help="write each model's token ids of the texts, stop")
     parser.add_argument("--ids", help="token ids written by --write-ids (no tokenizer needed)")
+    parser.add_argument(
+        "--options",
+        help='only these kvstate options (and the unquantized reference), ";"-separated, '
+        'e.g. "K4/V3 hadamard;K8/V3 hadamard vg32;K4/V3 windows-only" (see kvstate_option)',
+    )
+    parser.add_argument(
+        "--score-every",
+        type=int,
+        default=1,
+        help="score every n-th position only (the output head is most of a slow CPU's time)",
+    )
     args = parser.parse_args()
     models, texts = args.models.split(","), args.texts.split(",")
     if args.write_ids:
@@ -251,7 +339,17 @@ def main() -> None:
         return
     given = json.loads(Path(args.ids).read_text()) if args.ids else None
     print(environment(False))
-    run(models, texts, args.tokens, args.chunk, getattr(mx, args.dtype), given)
+    chosen = args.options.split(";") if args.options else None
+    run(
+        models,
+        texts,
+        args.tokens,
+        args.chunk,
+        getattr(mx, args.dtype),
+        given,
+        chosen,
+        args.score_every,
+    )
 
 
 if __name__ == "__main__":
