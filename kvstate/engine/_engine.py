@@ -51,6 +51,7 @@ from .. import (
 from ..distributed import agree, group_of
 from ..kinds import config_mismatches, config_of, host_ints
 from ..speculative import CostAwarePolicy, Target, generation_keys, round_plan
+from ..speculative._policy import check_policy_arguments
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
 from ._params import Output, Request, RequestParams, checked_params, checked_prompt
@@ -128,18 +129,7 @@ class Engine:
         self.k = _positive(k, "k")
         _positive(prefix_cache_bytes, "prefix_cache_bytes", 0)
         _positive(kv_group_size, "kv_group_size")
-        if not isinstance(adaptive, bool):
-            raise StateError(f"Engine: adaptive must be a bool; got {adaptive!r}")
-        if policy is not None and not isinstance(policy, CostAwarePolicy):
-            raise StateError(
-                f"Engine: policy must be a kvstate.speculative.CostAwarePolicy or None; got a "
-                f"{type(policy).__name__}"
-            )
-        if policy is not None and not adaptive:
-            raise StateError(
-                "Engine: adaptive=False verifies k drafts every round; it takes no policy "
-                "(drop policy=, or adaptive=False)"
-            )
+        check_policy_arguments("Engine", adaptive, policy)
         if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**64):
             raise StateError(f"Engine: seed must be an int in 0..2**64-1; got {seed!r}")
         self.adaptive = adaptive

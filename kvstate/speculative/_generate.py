@@ -34,7 +34,7 @@ from ._generation import Counts, Finals, Generation
 from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
 from ._linear_round import Stops, linear_round, plain_step
 from ._plain import decode
-from ._policy import CostAwarePolicy
+from ._policy import CostAwarePolicy, check_policy_arguments
 from ._prefill import PREFILL_STEP, prefill
 from ._processors import Processor, Processors
 from ._replay import commit_may_be_refused
@@ -344,18 +344,7 @@ def _policy_of(
     model split over processes (`split`): each rank would time its own rounds and choose
     differently, and ranks running forwards of different shapes hang in the model's own
     collectives before `agree` could catch it."""
-    if not isinstance(adaptive, bool):
-        raise StateError(f"generate: adaptive must be a bool; got {adaptive!r}")
-    if policy is not None and not isinstance(policy, CostAwarePolicy):
-        raise StateError(
-            f"generate: policy must be a kvstate.speculative.CostAwarePolicy or None; got a "
-            f"{type(policy).__name__}"
-        )
-    if policy is not None and not adaptive:
-        raise StateError(
-            "generate: adaptive=False verifies k drafts every round; it takes no policy "
-            "(drop policy=, or adaptive=False)"
-        )
+    check_policy_arguments("generate", adaptive, policy)
     if drafter is None or not adaptive or (split and policy is None):
         return None
     return CostAwarePolicy() if policy is None else policy

@@ -544,6 +544,23 @@ class CostAwarePolicy:
         return plain is not None and statistics.median(self._propose_times) < 0.05 * plain
 
 
+def check_policy_arguments(who: str, adaptive: Any, policy: Any) -> None:
+    """`adaptive` / `policy` as `generate` and the serving engine (`who`) take them: a bool,
+    and a CostAwarePolicy or None, not both a policy and fixed k."""
+    if not isinstance(adaptive, bool):
+        raise StateError(f"{who}: adaptive must be a bool; got {adaptive!r}")
+    if policy is not None and not isinstance(policy, CostAwarePolicy):
+        raise StateError(
+            f"{who}: policy must be a kvstate.speculative.CostAwarePolicy or None; got a "
+            f"{type(policy).__name__}"
+        )
+    if policy is not None and not adaptive:
+        raise StateError(
+            f"{who}: adaptive=False verifies k drafts every round; it takes no policy "
+            "(drop policy=, or adaptive=False)"
+        )
+
+
 def _labels_of(labels: Any, rows: int) -> list[Any]:
     """The drafter's confidence labels, one hashable per row (None: none given)."""
     if labels is None or not isinstance(labels, (list, tuple)) or len(labels) != rows:
