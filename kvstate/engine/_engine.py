@@ -89,8 +89,8 @@ class Engine:
     most tokens per unit of time; `adaptive=False`: every round asks for k drafts (fewer
     near the rows' ends) and verifies them all (benchmarks, tests). On a model split over
     processes the default is fixed k (each rank would time its rounds and choose
-    differently), as `generate`'s. The policy's estimates: `Engine.policy`. `seed`: the engine's randomness (the drafter's keys and the seeds of
-    requests that give none). `max_prompt_tokens`: the longest prompt taken (default: the
+    differently), as `generate`'s. The policy's estimates: `Engine.policy`. `seed`: the
+    engine's randomness (the drafter's keys and the seeds of requests that give none). `max_prompt_tokens`: the longest prompt taken (default: the
     model's `max_position_embeddings` when it has one, else unbounded).
 
     Exact: a greedy request's tokens are the target's argmax continuation of its prompt, a

@@ -82,10 +82,11 @@ def run_round(
     if drafting is not None and budget > 0:  # budget 0: every row ends with this round
         drafting.accept(r.fed, r.kept, r.hidden)
     counters.rounds += 1
-    if drafter is not None:  # the drafts verified (after the policy's cuts)
-        chose = fixed if fixed is not None else policy.last if policy is not None else None
-        counters.drafted += sum(chose.counts) if chose is not None else 0
-    if policy is not None:
+    if fixed is not None:  # the drafts verified (after the policy's cuts)
+        counters.drafted += sum(fixed.counts)
+    elif policy is not None:
+        if policy.last is not None:
+            counters.drafted += sum(policy.last.counts)
         policy.observe(r.accepted)
     if r.span:
         counters.accepted += sum(r.accepted)

@@ -479,11 +479,7 @@ class CostAwarePolicy:
 
     def _expected(self, row: int, labels: list[Any]) -> float:
         """Row `row`'s expected tokens from drafts with these labels (and its next token)."""
-        total, chance = 1.0, 1.0
-        for label in labels:
-            chance *= self._alpha(row, label)
-            total += chance
-        return total
+        return self._running(row, labels)[-1]
 
     def _alpha(self, row: int, label: Any) -> float:
         """Row `row`'s per-draft acceptance: without a label (or one never verified), its
