@@ -180,6 +180,33 @@ def commit_ragged(
     return filled, lp + holes, new_length
 
 
+def commit_ragged_in_order(
+    buffers: list[mx.array],
+    left_padding: mx.array | None,
+    length: int,
+    appended: int,
+    counts: tuple[int, ...],
+) -> tuple[list[mx.array], mx.array, int]:
+    """`commit_ragged` that keeps every row's tokens in order: each row shifts right by the
+    hole its rejected tokens left (O(context), one gather per buffer). The quantized kinds
+    use it: `commit_ragged`'s reordering changes the order attention sums its terms in, and
+    those float differences flip quantization levels of later tokens, so a ragged batch
+    drifts from each row decoded alone (a K5/V3 Hadamard batch lost a near tie at token 43).
+    Returns (buffers, left padding, length).
+    """
+    batch = len(counts)
+    new_length = length - appended + max(counts)
+    holes = mx.array([max(counts) - c for c in counts], mx.int32)
+    capacity = int(buffers[0].shape[2])
+    slot = mx.arange(capacity, dtype=mx.int32)[None, :]
+    # Slots under a row's new padding read slot 0 (masked garbage); slots past the new
+    # length keep what they hold.
+    src = mx.where(slot < new_length, mx.maximum(slot - holes[:, None], 0), slot)
+    index = src[:, None, :, None]
+    shifted = [mx.take_along_axis(a, index, axis=2) for a in buffers]
+    return shifted, padding_or_zeros(left_padding, batch) + holes, new_length
+
+
 @take_rows.register
 def _(state: DenseKV, rows: tuple[int, ...]) -> DenseKV:
     index = mx.array(rows, mx.int32)

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._dense import commit_ragged, used
+from ._dense import commit_ragged_in_order, used
 from ._padded_rows import Layout
 from ._padded_rows import register as register_padded_rows
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
@@ -286,7 +286,7 @@ def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> Quantize
     if len(set(counts)) == 1 or state.keys is None:
         # Like QuantizedKVCache.trim: the rejected positions stay in the buffer, past `length`.
         return replace(state, length=state.length - (state.appended - counts[0]), appended=0)
-    arrays, left_padding, length = commit_ragged(
+    arrays, left_padding, length = commit_ragged_in_order(
         _arrays(state), state.left_padding, state.length, state.appended, counts
     )
     return _with_arrays(state, arrays, left_padding=left_padding, length=length, appended=0)

@@ -44,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ._dense import commit_ragged
+from ._dense import commit_ragged_in_order
 from ._padded_rows import Layout
 from ._padded_rows import register as register_padded_rows
 from ._shared import kv_config
@@ -423,7 +423,7 @@ def _(state: TurboQuantKV, counts: tuple[int, ...], checkpoints: Any) -> TurboQu
     if len(set(counts)) == 1 or _is_empty(state):
         # Like TurboQuantKVCache.trim: rejected positions stay in the buffer, past `length`.
         return replace(state, length=state.length - (state.appended - counts[0]), appended=0)
-    arrays, left_padding, length = commit_ragged(
+    arrays, left_padding, length = commit_ragged_in_order(
         arrays_of(state), state.left_padding, state.length, state.appended, counts
     )
     return _with_arrays(state, arrays, left_padding=left_padding, length=length, appended=0)
