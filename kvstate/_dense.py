@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ._one_sync import materialise
 from ._shared import array_kv_config, path_entries, path_in_place, shared_appended
 from ._tree import State, host_ints, replace, trusted
 from ._validation import (
@@ -167,9 +168,10 @@ def commit_ragged(
     src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
     index = src[:, None, :, None]
     moving = [mx.take_along_axis(a, index, axis=2) for a in buffers]
-    # Evaluate the small moved blocks now: while a gather of the buffer is still pending, MLX
-    # cannot write into that buffer in place, and the write would copy the whole context.
-    mx.eval(moving)
+    # The small moved blocks are evaluated before the buffers are: while a gather of the
+    # buffer is still pending, MLX cannot write into it in place (it would copy the whole
+    # context). Inside a model's commit, all layers' blocks in one sync (`_one_sync`).
+    materialise(moving)
 
     def fill(a: mx.array, block: mx.array) -> mx.array:
         out = a[...]  # a fresh object: the assignment must not reach the input state

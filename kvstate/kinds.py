@@ -47,6 +47,7 @@ from ._checkpoints import problem as checkpoint_problem
 from ._dispatch import generic
 from ._errors import CommitError, NotSupportedError, ShapeError, StateError, inconsistent, require
 from ._ints import as_int, as_ints
+from ._one_sync import one_sync
 from ._repr import summary
 from ._shared import (
     array_kv_config,
@@ -455,7 +456,8 @@ def _(state: Composite, counts: tuple[int, ...], checkpoints: Any) -> Any:
             refuse_unneeded_checkpoints(p, c)
     impl = commit_rows.dispatch
     pairs = zip(parts, per_part, strict=True)
-    return with_parts(state, tuple(impl(p.__class__)(p, counts, c) for p, c in pairs))
+    with one_sync():  # every layer's moved blocks in one host sync
+        return with_parts(state, tuple(impl(p.__class__)(p, counts, c) for p, c in pairs))
 
 
 def _checkpoints_mismatch(state: Composite, per_part: Any) -> CommitError:
