@@ -5,7 +5,8 @@ keys, values, cache=..., scale=..., mask=...)` of `mlx_lm.models.base`, which se
 with `bits` to its own quantized attention (one bits for keys and values, no rotation).
 A routed attention module gets a subclass whose methods are copies of mlx-lm's own, reading
 under that name a function that looks the cache's class up in `ROUTES`: a
-`QuantizedStateCache` goes to `cache.attend` (kvstate's `quantized_attention`), the caches of
+`QuantizedStateCache` goes to `cache.attend` (kvstate's `quantized_attention`), mlx-lm's
+`QuantizedKVCache` to it too on a GPU (where mlx-lm's own reads it wrongly), the caches of
 a CUDA verify forward to the verify kernel (`buckets`), every other cache to mlx-lm's
 function, unchanged. mlx-lm's classes and modules are left untouched, and other instances of
 the same classes are not affected.
@@ -20,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import QuantizedKVCache
 
-from kvstate import NotSupportedError
+from kvstate import NotSupportedError, QuantizedKV, quantized_attention
+from kvstate.kinds import trusted
 
 from ..caches.quantized_cache import QuantizedStateCache
 from ..caches.quantized_rotating import QuantizedRotatingCache
@@ -49,9 +53,37 @@ def _quantized_window(queries: Any, keys: Any, values: Any, cache: Any, scale: f
     return cache.attend(queries, keys, values, scale, mask)
 
 
+def mlx_lm_quantized_attention_is_right() -> bool:
+    """Whether mlx-lm's own quantized attention reads a QuantizedKVCache rightly on the
+    default device. On MLX CUDA 0.32 it does not: it broadcasts the keys over the GQA repeats
+    and hands quantized_matmul the buffers cut at the offset, which CUDA's kernel reads as if
+    every batch were batch 0 (SmolLM2, head dim 64, K4/V4 group 32: perplexity 1.4 million
+    instead of 14) or refuses ("No implementation for problem shape" at group 64)."""
+    return mx.default_device().type != mx.DeviceType.gpu
+
+
+def _mlx_lm_quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: float,
+                      mask: Any, sinks: Any) -> Any:  # fmt: skip
+    """A QuantizedKVCache (a state in mlx-lm's form) read by mlx-lm's function where that is
+    right, else by kvstate's quantized attention over the same quantized triples."""
+    if sinks is not None or mlx_lm_quantized_attention_is_right():
+        return None
+    state = trusted(QuantizedKV)(
+        tuple(keys),
+        tuple(values),
+        length=int(keys[0].shape[2]),  # the triples are cut at the cache's offset
+        key_bits=cache.bits,
+        value_bits=cache.bits,
+        key_group_size=cache.group_size,
+        value_group_size=cache.group_size,
+    )
+    return quantized_attention(queries, state, scale=scale, mask=mask)
+
+
 ROUTES[QuantizedStateCache] = _quantized
 ROUTES[QuantizedRotatingCache] = _quantized_window
-ROUTED_FOR_GOOD.update((QuantizedStateCache, QuantizedRotatingCache))
+ROUTES[QuantizedKVCache] = _mlx_lm_quantized
+ROUTED_FOR_GOOD.update((QuantizedStateCache, QuantizedRotatingCache, QuantizedKVCache))
 
 
 def routed_function(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -95,7 +127,8 @@ def _make_routed(cls: type, _: None) -> type | None:
 def route_attention(model: nn.Module) -> nn.Module:
     """Route every attention module of `model` that calls mlx-lm's
     `scaled_dot_product_attention` to kvstate's quantized attention for QuantizedKV states
-    that mlx-lm's QuantizedKVCache cannot hold (other caches: mlx-lm's function, as before).
+    that mlx-lm's QuantizedKVCache cannot hold, and for those it holds where mlx-lm's
+    attention reads them wrongly (MLX CUDA); other caches: mlx-lm's function, as before.
     Idempotent; `wrap(model)` does it when such a state first runs. Returns `model`."""
     if getattr(model, _ROUTED, False):
         return model

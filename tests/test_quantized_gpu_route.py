@@ -1,0 +1,85 @@
+"""A QuantizedKV in mlx-lm's form (a QuantizedKVCache at the model boundary) is read by
+kvstate's quantized attention where mlx-lm's own reads it wrongly (MLX CUDA 0.32: keys
+broadcast over the GQA repeats and buffers cut at the offset; BENCHMARKS.md, Findings 0).
+
+This machine has no GPU, so the device check is forced: the forced route must give mlx-lm's
+own attention's logits on the CPU (the oracle), and must really have been taken."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvstate as ks
+from kvstate.adapters import wrap
+from kvstate.adapters.instruments import routing
+from kvstate.adapters.tiny_models import tiny_model
+
+PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 3, 4, 9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", head_dim=64)  # 4 query heads on 2 KV heads: GQA
+
+
+def teacher_forced_logits(model, bits: int, group_size: int) -> list[np.ndarray]:
+    """Logits of a chunked read of PROMPT, then three one-token steps, on a quantized state."""
+    m = wrap(model)
+    state = ks.quantize(m.init_state(), bits=bits, group_size=group_size)
+    out = []
+    for piece in (PROMPT[:9], PROMPT[9:], [5], [6], [7]):
+        logits, state = m(mx.array([piece]), state)
+        out.append(np.array(logits.astype(mx.float32)))
+    return out
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (8, 64)])
+def test_forced_route_gives_mlx_lm_attentions_logits(model, bits, group_size, monkeypatch):
+    oracle = teacher_forced_logits(model, bits, group_size)  # mlx-lm's attention (CPU)
+
+    calls = []
+    original = routing.quantized_attention
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(routing, "mlx_lm_quantized_attention_is_right", lambda: False)
+    monkeypatch.setattr(routing, "quantized_attention", counted)
+    routed = teacher_forced_logits(model, bits, group_size)
+
+    assert len(calls) >= 5 * 4, "kvstate's attention was not used for every layer and call"
+    for want, got in zip(oracle, routed, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_route_declines_on_the_cpu():
+    assert routing.mlx_lm_quantized_attention_is_right()  # this machine: mlx-lm's own
+
+
+@pytest.mark.parametrize("options", [{"bits": 4}, {"key_bits": 4, "value_bits": 3}])
+def test_one_group_rows_split_in_two_read_the_same(options, monkeypatch):
+    """On a GPU a head-dim-64, group-64 state (one group a row) is read as two groups of 32
+    with the scale and bias repeated: the same values, so the same attention."""
+    from kvstate import _quantized_attention as qa
+
+    mx.random.seed(3)
+    k, v = (mx.random.normal((2, 2, 40, 64)) for _ in range(2))
+    q = mx.random.normal((2, 4, 5, 64))
+    state = ks.quantize(ks.DenseKV(k, v, length=40), group_size=64, **options)
+    want = ks.quantized_attention(q, state, scale=0.125, mask="causal")
+
+    groups = []
+    original = mx.quantized_matmul
+
+    def spied(*args, **kw):
+        groups.append(kw["group_size"])
+        return original(*args, **kw)
+
+    monkeypatch.setattr(qa, "one_group_rows_read_wrongly", lambda: True)
+    monkeypatch.setattr(qa.mx, "quantized_matmul", spied)
+    got = ks.quantized_attention(q, state, scale=0.125, mask="causal")
+    assert groups == [32, 32]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
