@@ -56,13 +56,7 @@ def quantized_attention(
     # (B, n_heads, L, D) -> (B, kv_heads, repeats * L, D): head h = kv * repeats + r reads
     # kv head kv, as in mlx-lm's GQA.
     q = (kc.rotate(queries) * scale).reshape(B, kv_heads, repeats * L, -1)
-    scores = mx.quantized_matmul(
-        q,
-        *_operands(keys),
-        transpose=True,
-        group_size=_group(kc.group_size, keys),
-        bits=kc.bits,
-    )
+    scores = _quantized_matmul(q, keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
     masks = _masks(mask, state, L)
     if masks:
         scores = scores.reshape(B, kv_heads, repeats, L, -1)
@@ -74,12 +68,8 @@ def quantized_attention(
                 scores = scores + m
         scores = scores.reshape(B, kv_heads, repeats * L, -1)
     weights = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(
-        weights,
-        *_operands(values),
-        transpose=False,
-        group_size=_group(vc.group_size, values),
-        bits=vc.bits,
+    out = _quantized_matmul(
+        weights, values, transpose=False, group_size=vc.group_size, bits=vc.bits
     )
     return vc.unrotate(out.reshape(B, n_heads, L, -1))
 
@@ -87,26 +77,22 @@ def quantized_attention(
 def one_group_rows_read_wrongly() -> bool:
     """Whether quantized_matmul on the default device misreads a matrix whose rows are one
     quantization group each: MLX CUDA 0.32's does (SmolLM2, head dim 64, group 64: perplexity
-    ~2300 instead of 14; group 32 right); the CPU kernel is right."""
+    ~2300 instead of 14; group 32 right; with the group halved and the scales repeated it
+    raises "No implementation for problem shape"); the CPU kernel is right."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def _one_group_a_row(q: Quantized) -> bool:
-    return int(q[1].shape[-1]) == 1 and one_group_rows_read_wrongly()
-
-
-def _group(group_size: int, q: Quantized) -> int:
-    """The group size quantized_matmul is called with: half of it for one-group rows on a GPU
-    (`_operands` doubles their scales and biases: the same dequantized values, two groups)."""
-    return group_size // 2 if _one_group_a_row(q) else group_size
-
-
-def _operands(q: Quantized) -> Quantized:
-    """A triple as row-contiguous arrays (no copy when they already are); a one-group row's
-    scale and bias repeated for its two halves where the kernel needs two groups a row."""
-    if _one_group_a_row(q):
-        return (mx.contiguous(q[0]), mx.repeat(q[1], 2, axis=-1), mx.repeat(q[2], 2, axis=-1))
-    return (mx.contiguous(q[0]), mx.contiguous(q[1]), mx.contiguous(q[2]))
+def _quantized_matmul(
+    x: mx.array, q: Quantized, *, transpose: bool, group_size: int, bits: int
+) -> mx.array:
+    """x @ q^T (transpose) or x @ q of the quantized matrix `q`; where the kernel misreads it
+    (one group a row on a GPU), x @ its dequantized form: the same values, exact."""
+    operands = (mx.contiguous(q[0]), mx.contiguous(q[1]), mx.contiguous(q[2]))
+    if int(q[1].shape[-1]) == 1 and one_group_rows_read_wrongly():
+        dense = mx.dequantize(*operands, group_size=group_size, bits=bits).astype(x.dtype)
+        return x @ (dense.swapaxes(-1, -2) if transpose else dense)
+    # Row-contiguous operands (no copy when they already are): see the module's docstring.
+    return mx.quantized_matmul(x, *operands, transpose=transpose, group_size=group_size, bits=bits)
 
 
 def _masks(mask: Any, state: QuantizedKV, L: int) -> list[mx.array]:
