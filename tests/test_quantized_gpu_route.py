@@ -19,6 +19,19 @@ from kvstate.adapters.tiny_models import tiny_model
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 3, 4, 9, 10, 11, 12]
 
 
+def counting(owner, name: str, monkeypatch) -> list[int]:
+    """Replace `owner.name` by a copy that records each call in the returned list."""
+    calls: list[int] = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kw):
+        calls.append(kw.get("group_size", 0))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", head_dim=64)  # 4 query heads on 2 KV heads: GQA
@@ -39,15 +52,8 @@ def teacher_forced_logits(model, bits: int, group_size: int) -> list[np.ndarray]
 def test_forced_route_gives_mlx_lm_attentions_logits(model, bits, group_size, monkeypatch):
     oracle = teacher_forced_logits(model, bits, group_size)  # mlx-lm's attention (CPU)
 
-    calls = []
-    original = routing.quantized_attention
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return original(*args, **kw)
-
     monkeypatch.setattr(routing, "mlx_lm_quantized_attention_is_right", lambda: False)
-    monkeypatch.setattr(routing, "quantized_attention", counted)
+    calls = counting(routing, "quantized_attention", monkeypatch)
     routed = teacher_forced_logits(model, bits, group_size)
 
     assert len(calls) >= 5 * 4, "kvstate's attention was not used for every layer and call"
@@ -55,8 +61,12 @@ def test_forced_route_gives_mlx_lm_attentions_logits(model, bits, group_size, mo
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_the_route_declines_on_the_cpu():
-    assert routing.mlx_lm_quantized_attention_is_right()  # this machine: mlx-lm's own
+@pytest.mark.skipif(mx.default_device().type == mx.DeviceType.gpu, reason="a CPU check")
+def test_on_the_cpu_mlx_lm_form_states_keep_mlx_lm_attention(model, monkeypatch):
+    """Where mlx-lm's attention is right it stays the one that reads (its exact numbers)."""
+    calls = counting(routing, "quantized_attention", monkeypatch)
+    teacher_forced_logits(model, 4, 32)
+    assert calls == []
 
 
 @pytest.mark.parametrize("options", [{"bits": 4}, {"key_bits": 4, "value_bits": 3}])
@@ -71,15 +81,8 @@ def test_one_group_rows_read_through_their_dequantized_form(options, monkeypatch
     state = ks.quantize(ks.DenseKV(k, v, length=40), group_size=64, **options)
     want = ks.quantized_attention(q, state, scale=0.125, mask="causal")
 
-    kernel_calls = []
-    original = mx.quantized_matmul
-
-    def spied(*args, **kw):
-        kernel_calls.append(1)
-        return original(*args, **kw)
-
     monkeypatch.setattr(qa, "one_group_rows_read_wrongly", lambda: True)
-    monkeypatch.setattr(qa.mx, "quantized_matmul", spied)
+    kernel_calls = counting(qa.mx, "quantized_matmul", monkeypatch)
     got = ks.quantized_attention(q, state, scale=0.125, mask="causal")
     assert kernel_calls == []
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -25,11 +25,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvstate import NotSupportedError, QuantizedKV, quantized_attention
-from kvstate.kinds import trusted
+from kvstate import NotSupportedError, quantized_attention
 
 from ..caches.quantized_cache import QuantizedStateCache
 from ..caches.quantized_rotating import QuantizedRotatingCache
+from ..caches.registry import from_cache
 from ..caches.routes import ROUTED_FOR_GOOD, ROUTES
 from ..caches.walk import leaves
 from .swap import reading, subclass, swapped, with_body
@@ -68,16 +68,8 @@ def _mlx_lm_quantized(queries: Any, keys: Any, values: Any, cache: Any, scale: f
     right, else by kvstate's quantized attention over the same quantized triples."""
     if sinks is not None or mlx_lm_quantized_attention_is_right():
         return None
-    state = trusted(QuantizedKV)(
-        tuple(keys),
-        tuple(values),
-        length=int(keys[0].shape[2]),  # the triples are cut at the cache's offset
-        key_bits=cache.bits,
-        value_bits=cache.bits,
-        key_group_size=cache.group_size,
-        value_group_size=cache.group_size,
-    )
-    return quantized_attention(queries, state, scale=scale, mask=mask)
+    # the cache's own state (its registered converter), read by kvstate's attention
+    return quantized_attention(queries, from_cache(cache), scale=scale, mask=mask)
 
 
 ROUTES[QuantizedStateCache] = _quantized

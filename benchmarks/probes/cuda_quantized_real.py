@@ -4,8 +4,9 @@ The previous sessions measured perplexity ~2000 instead of 11 on the H200 for kv
 and rotated states at head dim 64 (group 64), while `kvstate.quantized_attention` at group 32
 agreed with the CPU stream (`cuda_qmm_dim64.py`). This reads the same 512 tokens of English
 teacher-forced (chunks of 256) through each option on the device and on the CPU stream, fp32,
-and prints both mean NLLs side by side; then `mx.quantized_matmul` at head dim 64 against
-dequantize + matmul, at groups 32 and 64 (the suspect: one group per row).
+and prints both mean NLLs side by side (`--device-only`: the device's alone; `--only=A,B`:
+those options); then `mx.quantized_matmul` against dequantize + matmul at head dims 64, 128
+and 256 and groups up to the head dim (the suspect: one group per row).
 
     MLX_ENABLE_TF32=0 KVSTATE_MODEL_CACHE=DIR PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks \
         python3 benchmarks/probes/cuda_quantized_real.py
