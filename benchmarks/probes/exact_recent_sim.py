@@ -11,7 +11,8 @@ text is read teacher-forced in chunks as `benchmarks/real_quality.py` reads it (
     .venv/bin/python benchmarks/probes/exact_recent_sim.py smollm2-135m 256 128 1 english \
         16,16,0,0 4,3,0,0 4,3,0,32
     (model, tokens, chunk, score-every, text, then options KEY_BITS,VALUE_BITS,SINK,RECENT;
-    16 bits = unquantized)
+    16 bits = unquantized). Buffer index is read as token position, so a model's sliding
+    window must not wrap (Gemma: fewer tokens than its 512-token window; checked).
 
 Rows are printed as they are measured. Needs the model's package (`load_model`).
 """
@@ -49,6 +50,12 @@ def mixed_attention(
     """mlx-lm's scaled_dot_product_attention, each (query, key) pair read exactly or
     fake-quantized by the OPTION's rule."""
     L, T = queries.shape[2], keys.shape[2]
+    if cache is not None and cache.offset != T:
+        # The rule reads buffer index t_k as token t_k: false once a window has wrapped.
+        raise SystemExit(
+            f"exact_recent_sim: a cache holds {T} of {cache.offset} positions (a sliding "
+            "window wrapped); read fewer tokens than the window"
+        )
     repeats = queries.shape[1] // keys.shape[1]
 
     def heads(x: mx.array) -> mx.array:
@@ -84,9 +91,13 @@ def main() -> None:
         forward = through_caches(model, make_prompt_cache(model))
         nll, _ = read_text(forward, ids, int(chunk), int(every))
         mean = float(np.mean(nll))
+        label = (
+            "unquantized"
+            if min(key_bits, value_bits) >= 16
+            else f"K{key_bits}/V{value_bits} hadamard sink{sink} recent{recent}"
+        )
         print(
-            f"K{key_bits}/V{value_bits} hadamard sink{sink} recent{recent}: "
-            f"mean NLL {mean:.4f}, perplexity {math.exp(mean):.3f}",
+            f"{label}: mean NLL {mean:.4f}, perplexity {math.exp(mean):.3f}",
             flush=True,
         )
 
