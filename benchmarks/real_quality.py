@@ -60,8 +60,9 @@ KIND_WORDS = {"dense-only": ks.DenseKV, "windows-only": ks.RotatingKV}
 def kvstate_option(spec: str) -> tuple[str, dict[str, Any], type | None]:
     """(label, `quantize` keywords, the one layer kind to quantize or None) of an option
     written as words: "K4/V3" (key / value bits), then any of a rotation ("hadamard", "so4"),
-    "g32" (both group sizes), "kg32" / "vg32" (one side's), "dense-only" / "windows-only"
-    (quantize only the global or only the sliding-window layers). Default group 64."""
+    "g32" (both group sizes), "kg32" / "vg32" (one side's), "exact32" (each query reads its
+    latest 32 tokens unquantized: `exact_latest`), "dense-only" / "windows-only" (quantize
+    only the global or only the sliding-window layers). Default group 64."""
     words = spec.split()
     bits = words[0].upper().removeprefix("K").split("/V")
     kw: dict[str, Any] = {"key_bits": int(bits[0]), "value_bits": int(bits[1]), "group_size": 64}
@@ -71,6 +72,8 @@ def kvstate_option(spec: str) -> tuple[str, dict[str, Any], type | None]:
             kw["rotation"] = w
         elif w in KIND_WORDS:
             kind = KIND_WORDS[w]
+        elif w.startswith("exact"):
+            kw["exact_latest"] = int(w.removeprefix("exact"))
         elif w.startswith(("kg", "vg")):
             kw[("key" if w[0] == "k" else "value") + "_group_size"] = int(w[2:])
         elif w.startswith("g"):

@@ -2,7 +2,9 @@
 positions on axis 2, rows are left-padded, row b's tokens are [left_padding[b], length), and
 the layer stands in for the DenseKV a model's cache factory makes. A kind describes how to
 list and rebuild its arrays (`Layout`); batch size, fit, filter, merge and extract are then
-written once, here.
+written once, here. A kind may also keep tails: arrays holding only its latest positions
+(the last W of [0, length), right-aligned; QuantizedKV's exact tail), which move with the
+rows (merge right-aligns them too) and which the kind's `rebuild` cuts to what it keeps.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ from .kinds import (
 )
 
 
+def _no_tails(state: Any) -> list[mx.array]:
+    return []
+
+
 class Layout(NamedTuple):
     arrays: Callable[[Any], list[mx.array]]  # a filled state's arrays, in a fixed order
     empty: Callable[[Any], bool]  # no arrays yet (before the first forward)
-    rebuild: Callable[..., Any]  # rebuild(state, arrays, **changes): the same kind
+    # rebuild(state, arrays + tails, **changes): the same kind
+    rebuild: Callable[..., Any]
+    tails: Callable[[Any], list[mx.array]] = _no_tails  # arrays of the latest positions
 
 
 def register(cls: type, layout: Layout) -> None:
@@ -64,7 +72,7 @@ def drop_shared_padding(layout: Layout, kept: Any) -> Any:
     held = kept.length - shared
     return layout.rebuild(
         kept,
-        [a[..., shared:, :] for a in layout.arrays(kept)],
+        [a[..., shared:, :] for a in layout.arrays(kept)] + layout.tails(kept),
         left_padding=kept.left_padding - shared,
         length=held,
         appended=kept.appended if kept.appended <= held else 0,
@@ -98,9 +106,22 @@ def merge_padded(layout: Layout, states: Sequence[Any]) -> Any:
             row += b
         return out
 
+    def aligned_tail(i: int) -> mx.array:
+        tails = [layout.tails(s)[i] if not layout.empty(s) else None for s in states]
+        model = next(t for t in tails if t is not None)
+        width = max(int(t.shape[2]) for t in tails if t is not None)
+        out = mx.zeros((sum(batches), model.shape[1], width, model.shape[3]), model.dtype)
+        row = 0
+        for t, b in zip(tails, batches, strict=True):
+            if t is not None:  # zeros before a narrower tail: padding, or past exact_latest
+                out[row : row + b, :, width - int(t.shape[2]) :, :] = t
+            row += b
+        return out
+
     return layout.rebuild(
         filled[0],
-        [aligned(i) for i in range(len(like))],
+        [aligned(i) for i in range(len(like))]
+        + [aligned_tail(i) for i in range(len(layout.tails(filled[0])))],
         left_padding=left_padding,
         length=length,
         appended=appended,
@@ -115,7 +136,8 @@ def extract_padded(layout: Layout, state: Any, row: int) -> Any:
     held = state.length - start
     return layout.rebuild(
         state,
-        [mx.contiguous(a[row : row + 1, :, start : state.length]) for a in layout.arrays(state)],
+        [mx.contiguous(a[row : row + 1, :, start : state.length]) for a in layout.arrays(state)]
+        + [mx.contiguous(t[row : row + 1]) for t in layout.tails(state)],
         left_padding=None,
         length=held,
         appended=state.appended if state.appended <= held else 0,

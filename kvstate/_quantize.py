@@ -7,7 +7,7 @@ from typing import Any
 
 from ._dense import DenseKV, used
 from ._errors import ConfigMismatchError, NotSupportedError, StateError, require
-from ._quantized import BITS, GROUP_SIZES, QuantizedKV, key_codec, value_codec, with_pads
+from ._quantized import BITS, GROUP_SIZES, QuantizedKV, key_codec, latest, value_codec, with_pads
 from ._quantized_rotating import quantize_window
 from ._rotating import RotatingKV
 from ._rotations import ROTATIONS
@@ -27,6 +27,7 @@ def quantize(
     value_group_size: int | None = None,
     rotation: str = "none",
     seed: int = 0,
+    exact_latest: int = 0,
 ) -> Any:
     """A DenseKV as a QuantizedKV, like mlx-lm's `KVCache.to_quantized` when keys and values
     share `bits` / `group_size` and there is no rotation (then the arrays are identical).
@@ -36,6 +37,10 @@ def quantize(
     head vectors before quantizing (see `kvstate._rotations`). Head dims that are not a
     multiple of a side's group size are zero-padded up to one (stored 80 -> 96 at group 32).
     Only the `length` used positions are quantized; left padding and `appended` carry over.
+    `exact_latest` R > 0 keeps each query's latest R tokens unquantized as well (QuantizedKV's
+    exact tail; 16-32 take K4/V3's perplexity to within 1% of fp16, BENCHMARKS.md): the
+    state's last R + appended positions start it. Sliding windows take no tail (yet): a
+    RotatingKV with R > 0 is refused.
 
     A RotatingKV (sliding window) becomes a QuantizedRotatingKV with the same codec (mlx-lm
     has no quantized window). A ModelState or ListState is mapped over: its DenseKV and
@@ -69,7 +74,13 @@ def quantize(
         f"quantize: rotation={rotation!r}, seed={seed!r}; use a rotation in {list(ROTATIONS)} "
         "and an int seed",
     )
+    require(
+        is_int(exact_latest) and exact_latest >= 0,
+        ConfigMismatchError,
+        f"quantize: exact_latest={exact_latest!r}; use an int >= 0 (0: no exact tail)",
+    )
     empty = QuantizedKV(
+        exact_latest=int(exact_latest),
         key_bits=int(spec["key_bits"]),
         value_bits=int(spec["value_bits"]),
         key_group_size=int(spec["key_group_size"]),
@@ -101,6 +112,13 @@ def _quantize_layers(state: Any, empty: QuantizedKV) -> Any:
 
 
 def _quantize_window(state: RotatingKV, empty: QuantizedKV) -> Any:
+    require(
+        empty.exact_latest == 0,
+        NotSupportedError,
+        f"quantize: exact_latest={empty.exact_latest} is for full-attention (DenseKV) layers; "
+        "a quantized sliding window (QuantizedRotatingKV) keeps no exact tail yet: quantize "
+        "windows with exact_latest=0 (or leave them dense)",
+    )
     return quantize_window(state, empty)
 
 
@@ -111,11 +129,15 @@ def _quantize_dense(state: DenseKV, empty: QuantizedKV) -> QuantizedKV:
         )
     # Stored widths are whole groups (multiples of 32), so every rotation applies.
     spec = with_pads(empty, int(state.keys.shape[-1]), int(state.values.shape[-1]))
+    keys, values = used(state.keys, state.length), used(state.values, state.length)
+    tail = spec.exact_latest + state.appended
     return replace(
         spec,
-        keys=key_codec(spec).encode(used(state.keys, state.length)),
-        values=value_codec(spec).encode(used(state.values, state.length)),
+        keys=key_codec(spec).encode(keys),
+        values=value_codec(spec).encode(values),
         left_padding=state.left_padding,
+        tail_keys=latest(keys, tail) if spec.exact_latest else None,
+        tail_values=latest(values, tail) if spec.exact_latest else None,
         length=state.length,
         appended=state.appended,
     )

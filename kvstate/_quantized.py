@@ -8,7 +8,17 @@ Each of keys / values is an `mx.quantize` triple of the side's rotated, padded r
 [left_padding[b], length) (left_padding None: every row at [0, length)), so merge / extend
 take states of different lengths and commit_prefix takes ragged counts.
 
-The unpadded, unrotated, equal-bits form with no left padding is exactly mlx-lm's
+With `exact_latest` R > 0 the state also keeps its latest tokens unquantized, in `tail_keys`
+/ `tail_values` (B, H, W, D) in the model's dtype: the keys and values of buffer positions
+[length - W, length), W <= length, beside their quantized copies. A query at position t reads
+key t_k from the tail when t_k > t - R (and the tail holds it), from the quantized buffer
+otherwise. The rule depends on positions only, so a prompt prefilled in chunks, a verify
+forward and one-by-one decoding read the same values; at R = 32 it takes SmolLM2's K4/V3
+Hadamard perplexity from +7.4% over the unquantized cache to +0.24% (BENCHMARKS.md). Forwards
+and transforms keep W = min(length, R + appended), so a commit can keep any count (a
+right-padded prompt batch may leave fewer: `QuantizedStateCache.finalize`).
+
+The unpadded, unrotated, equal-bits form with no left padding and no tail is exactly mlx-lm's
 QuantizedKVCache; every other form runs through kvstate's quantized attention
 (`kvstate.quantized_attention`), which the adapters route a model's attention to.
 """
@@ -60,11 +70,15 @@ class QuantizedKV(State):
     dim a whole number of groups (0 while empty: the first forward sets them); rotation in
     ("none", "so4", "hadamard") with `seed`, rebuilt from these statics, applied to the keys
     (and the queries) and the values (and inversely to the attention output).
+    exact_latest: how many latest tokens each query reads unquantized, from tail_keys /
+    tail_values (None when 0 or empty; see the module docstring).
     """
 
     keys: Quantized | None = None
     values: Quantized | None = None
     left_padding: mx.array | None = None
+    tail_keys: mx.array | None = None
+    tail_values: mx.array | None = None
     length: int = static_field(default=0)
     appended: int = static_field(default=0)
     key_bits: int = static_field(default=8)
@@ -75,28 +89,40 @@ class QuantizedKV(State):
     value_pad: int = static_field(default=0)
     rotation: str = static_field(default="none")
     seed: int = static_field(default=0)
+    exact_latest: int = static_field(default=0)
 
     @staticmethod
     def __kvstate_upgrade__(statics: dict[str, Any], children: dict[str, Any]) -> Any:
         """Fields of a file written before keys and values had their own bits (statics
-        length, group_size, bits, appended; children keys, values) -> today's fields."""
-        if set(statics) != {"length", "group_size", "bits", "appended"}:
+        length, group_size, bits, appended; children keys, values), or before the exact tail
+        (no exact_latest, tail_keys, tail_values) -> today's fields."""
+        if "exact_latest" in statics or {"tail_keys", "tail_values"} & set(children):
             return None
-        if set(children) != {"keys", "values"}:
-            return None
-        bits, group = statics["bits"], statics["group_size"]
-        upgraded = {
-            **{k: v for k, v in statics.items() if k not in ("bits", "group_size")},
-            "key_bits": bits,
-            "value_bits": bits,
-            "key_group_size": group,
-            "value_group_size": group,
-            "key_pad": 0,
-            "value_pad": 0,
-            "rotation": "none",
-            "seed": 0,
-        }
-        return upgraded, {**children, "left_padding": None}
+        statics, children = _before_own_bits(statics, children) or (statics, children)
+        return (
+            {**statics, "exact_latest": 0},
+            {**children, "tail_keys": None, "tail_values": None},
+        )
+
+
+def _before_own_bits(statics: dict[str, Any], children: dict[str, Any]) -> Any:
+    if set(statics) != {"length", "group_size", "bits", "appended"}:
+        return None
+    if set(children) != {"keys", "values"}:
+        return None
+    bits, group = statics["bits"], statics["group_size"]
+    upgraded = {
+        **{k: v for k, v in statics.items() if k not in ("bits", "group_size")},
+        "key_bits": bits,
+        "value_bits": bits,
+        "key_group_size": group,
+        "value_group_size": group,
+        "key_pad": 0,
+        "value_pad": 0,
+        "rotation": "none",
+        "seed": 0,
+    }
+    return upgraded, {**children, "left_padding": None}
 
 
 CODEC_FIELDS = (
@@ -148,6 +174,7 @@ def is_mlx_lm_form(state: QuantizedKV) -> bool:
         and state.key_pad == state.value_pad == 0
         and state.rotation == "none"
         and state.seed == 0
+        and state.exact_latest == 0
     )
 
 
@@ -165,19 +192,45 @@ def _arrays(state: QuantizedKV) -> list[mx.array]:
     return [*state.keys, *state.values]
 
 
+def _tails(state: QuantizedKV) -> list[mx.array]:
+    if state.tail_keys is None or state.tail_values is None:
+        return []
+    return [state.tail_keys, state.tail_values]
+
+
+def latest(a: mx.array, n: int) -> mx.array:
+    """The last `n` positions (axis 2) of `a`, or all of them when it holds fewer."""
+    return a if a.shape[2] <= n else a[..., a.shape[2] - n :, :]
+
+
 def _with_arrays(state: QuantizedKV, arrays: Sequence[mx.array], **changes: Any) -> QuantizedKV:
+    """`state` with the six quantized arrays (keys' triple, values' triple), then the two
+    tails where it keeps them, replaced by `arrays` in that order; the tails cut to the
+    latest min(length, exact_latest + appended) positions, all that a commit can need."""
     a = list(arrays)
-    return replace(state, keys=(a[0], a[1], a[2]), values=(a[3], a[4], a[5]), **changes)
+    tails: tuple[Any, Any] = (None, None)
+    if len(a) == 8:
+        length = changes.get("length", state.length)
+        keep = min(length, state.exact_latest + changes.get("appended", state.appended))
+        tails = (latest(a[6], keep), latest(a[7], keep))
+    return replace(
+        state,
+        keys=(a[0], a[1], a[2]),
+        values=(a[3], a[4], a[5]),
+        tail_keys=tails[0],
+        tail_values=tails[1],
+        **changes,
+    )
 
 
-_LAYOUT = Layout(_arrays, lambda s: s.keys is None or s.values is None, _with_arrays)
+_LAYOUT = Layout(_arrays, lambda s: s.keys is None or s.values is None, _with_arrays, _tails)
 
 # ---------------------------------------------------------------------------- checks
 
 
 @problems.register
 def _(state: QuantizedKV, values: bool) -> list[str]:
-    found = typed_statics(state, bools=(), length=0, appended=0, **CODEC_LOWEST)
+    found = typed_statics(state, bools=(), length=0, appended=0, exact_latest=0, **CODEC_LOWEST)
     if found:
         return found
     found += codec_problems(state)
@@ -203,13 +256,56 @@ def _(state: QuantizedKV, values: bool) -> list[str]:
         found += rows_problems(
             "left_padding", state.left_padding, int(state.keys[0].shape[0]), "keys"
         )
+        found += _tail_problems(state)
     else:
         found += rows_problems("left_padding", state.left_padding, batch_size_of(state))
+        if state.tail_keys is not None or state.tail_values is not None:
+            found.append("tail_keys / tail_values: an empty state (keys None) has no tail")
     found += static_int("length", state.length, 0, capacity)
     found += static_int("appended", state.appended, 0, state.length)
     if values and not found:
         top = state.length if state.keys is not None else 2**31 - 1
         found += ints_within("left_padding", state.left_padding, 0, top)
+    return found
+
+
+def _tail_problems(state: QuantizedKV) -> list[str]:
+    """The exact tail of a filled state: present iff exact_latest > 0, (B, H) as the keys',
+    one width W <= length for keys and values, the head dims the codecs decode to."""
+    assert state.keys is not None and state.values is not None
+    tails = {"tail_keys": state.tail_keys, "tail_values": state.tail_values}
+    if state.exact_latest == 0:
+        held = [name for name, t in tails.items() if t is not None]
+        return (
+            [f"{', '.join(held)}: only a state with exact_latest > 0 keeps a tail"] if held else []
+        )
+    found = [
+        m
+        for name, t in tails.items()
+        for m in (
+            [f"{name}: exact_latest={state.exact_latest} needs a tail; got None"]
+            if t is None
+            else array_problems(name, t, 4, floating=True)
+        )
+    ]
+    if found:
+        return found
+    assert state.tail_keys is not None and state.tail_values is not None
+    dims = (key_codec(state).dim(state.keys), value_codec(state).dim(state.values))
+    rows_heads = tuple(state.keys[0].shape[:2])
+    for (name, t), dim in zip(
+        (("tail_keys", state.tail_keys), ("tail_values", state.tail_values)), dims, strict=True
+    ):
+        if tuple(t.shape[:2]) != rows_heads or t.shape[3] != dim:
+            found.append(
+                f"{name}: shape {tuple(t.shape)}; the keys need (batch, heads) {rows_heads} "
+                f"and a head dim of {dim}"
+            )
+    width, other = int(state.tail_keys.shape[2]), int(state.tail_values.shape[2])
+    if width != other:
+        found.append(f"tail_keys hold {width} positions, tail_values {other}; one width")
+    elif width > state.length:
+        found.append(f"tail_keys: {width} positions, more than the length {state.length}")
     return found
 
 
@@ -270,6 +366,7 @@ def _(state: QuantizedKV) -> dict[str, Any]:
         "value_group_size": state.value_group_size,
         "rotation": state.rotation,
         "seed": state.seed,
+        "exact_latest": state.exact_latest,
     }
     k, v = state.keys, state.values
     if k is None or v is None:
@@ -283,13 +380,39 @@ def _(state: QuantizedKV) -> dict[str, Any]:
 
 @commit_rows.register
 def _(state: QuantizedKV, counts: tuple[int, ...], checkpoints: Any) -> QuantizedKV:
+    tails = _committed_tails(state, counts)
     if len(set(counts)) == 1 or state.keys is None:
         # Like QuantizedKVCache.trim: the rejected positions stay in the buffer, past `length`.
-        return replace(state, length=state.length - (state.appended - counts[0]), appended=0)
+        length = state.length - (state.appended - counts[0])
+        if not tails:
+            return replace(state, length=length, appended=0)
+        return _with_arrays(state, [*_arrays(state), *tails], length=length, appended=0)
     arrays, left_padding, length = commit_ragged_in_order(
         _arrays(state), state.left_padding, state.length, state.appended, counts
     )
-    return _with_arrays(state, arrays, left_padding=left_padding, length=length, appended=0)
+    return _with_arrays(
+        state, [*arrays, *tails], left_padding=left_padding, length=length, appended=0
+    )
+
+
+def _committed_tails(state: QuantizedKV, counts: tuple[int, ...]) -> list[mx.array]:
+    """The tails after keeping `counts` of the appended tokens (`_with_arrays` then cuts them
+    to exact_latest).
+
+    A ragged commit shifts each row right by its hole, as the buffers shift. A tail holding
+    the whole length loses nothing (a slot whose source lies before the tail is under the
+    row's new padding); a shorter one drops the slots some row filled from outside it
+    (W >= exact_latest + appended keeps exact_latest after that)."""
+    tails = _tails(state)
+    if not tails:
+        return []
+    width = int(tails[0].shape[2])
+    kept = max(0, width - state.appended + min(counts))
+    if len(set(counts)) == 1:
+        return [t[..., :kept, :] for t in tails]
+    shifted, _, reach = commit_ragged_in_order(tails, None, width, state.appended, counts)
+    start = 0 if width == state.length else max(0, reach - kept)
+    return [t[..., start : max(start, reach), :] for t in shifted]
 
 
 # ---------------------------------------------------------------------------- rows
@@ -305,11 +428,14 @@ def _(state: QuantizedKV, rows: tuple[int, ...]) -> QuantizedKV:
             return state
         return replace(state, left_padding=mx.zeros((len(rows),), mx.int32))
     left_padding = state.left_padding[index] if state.left_padding is not None else None
+    tails = [t[index] for t in _tails(state)]
     return replace(
         state,
         keys=_map_q(lambda a: a[index], state.keys),
         values=_map_q(lambda a: a[index], state.values),
         left_padding=left_padding,
+        tail_keys=tails[0] if tails else None,
+        tail_values=tails[1] if tails else None,
     )
 
 

@@ -6,6 +6,11 @@ for both). Queries are zero-padded and rotated like the stored keys, so the scor
 of the unrotated vectors; the output is rotated back with the value rotation and its pad
 channels dropped. Rows' left padding is masked here, whatever mask the caller passes.
 
+A state with an exact tail (`exact_latest` R > 0) is read in two parts under one softmax: the
+scores of the quantized keys, masked where the key is one of the query's latest R (held in
+the tail), and those of the tail's unquantized keys, masked where it is not; the output is
+the quantized values' part plus the tail values' part.
+
 The quantized operands are always row-contiguous arrays with the queries' batch shape: MLX
 CUDA's quantized_matmul (0.32) refuses a matrix whose flags say it is not contiguous (a cache
 buffer cut at `length` < capacity: "No implementation for problem shape") and reads a
@@ -58,20 +63,72 @@ def quantized_attention(
     q = (kc.rotate(queries) * scale).reshape(B, kv_heads, repeats * L, -1)
     scores = _quantized_matmul(q, keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
     masks = _masks(mask, state, L)
-    if masks:
-        scores = scores.reshape(B, kv_heads, repeats, L, -1)
-        for m in masks:
-            m = _heads_form(m, kv_heads, repeats)
-            if m.dtype == mx.bool_:
-                scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-            else:
-                scores = scores + m
-        scores = scores.reshape(B, kv_heads, repeats * L, -1)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    out = _quantized_matmul(
-        weights, values, transpose=False, group_size=vc.group_size, bits=vc.bits
+    if state.tail_keys is None or state.tail_values is None:
+        scores = _masked(scores, masks, kv_heads, repeats, L)
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        out = _quantized_matmul(
+            weights, values, transpose=False, group_size=vc.group_size, bits=vc.bits
+        )
+        return vc.unrotate(out.reshape(B, n_heads, L, -1))
+    # The exact tail: its keys' scores beside the quantized ones, one softmax over both.
+    width = int(state.tail_keys.shape[2])
+    exact = _read_exactly(state, L)  # (L, length): the key is read from the tail
+    tail_q = (queries * scale).reshape(B, kv_heads, repeats * L, -1)
+    tail_scores = tail_q @ state.tail_keys.swapaxes(-1, -2).astype(tail_q.dtype)
+    tail_masks = [_latest_columns(m, state.length, width) for m in masks]
+    scores = _masked(scores, [*masks, ~exact], kv_heads, repeats, L)
+    tail_scores = _masked(tail_scores, [*tail_masks, exact[:, -width:]], kv_heads, repeats, L)
+    weights = mx.softmax(
+        mx.concatenate([scores, tail_scores.astype(scores.dtype)], axis=-1),
+        axis=-1,
+        precise=True,
     )
-    return vc.unrotate(out.reshape(B, n_heads, L, -1))
+    out = _quantized_matmul(
+        weights[..., : state.length],
+        values,
+        transpose=False,
+        group_size=vc.group_size,
+        bits=vc.bits,
+    )
+    tail_out = weights[..., state.length :].astype(tail_q.dtype) @ state.tail_values.astype(
+        tail_q.dtype
+    )
+    return vc.unrotate(out.reshape(B, n_heads, L, -1)) + tail_out.reshape(B, n_heads, L, -1)
+
+
+def _read_exactly(state: QuantizedKV, L: int) -> mx.array:
+    """(L, length) bool: query i (at position length - L + i) reads key position t from the
+    tail, which it does when t is one of its latest `exact_latest` positions and the tail
+    holds t."""
+    length, width = state.length, int(state.tail_keys.shape[2])  # type: ignore[union-attr]
+    q_pos = mx.arange(length - L, length)[:, None]
+    k_pos = mx.arange(length)[None]
+    return (k_pos > q_pos - state.exact_latest) & (k_pos >= length - width)
+
+
+def _latest_columns(mask: mx.array, length: int, width: int) -> mx.array:
+    """The columns of the last `width` key positions of a mask over `length` keys."""
+    if mask.shape[-1] == 1:
+        return mask
+    return mask[..., length - width :]
+
+
+def _masked(
+    scores: mx.array, masks: list[mx.array], kv_heads: int, repeats: int, L: int
+) -> mx.array:
+    """(B, kv_heads, repeats * L, S) scores with `masks` (bool: True attends; float: added),
+    each broadcastable to (B, n_heads, L, S), applied."""
+    if not masks:
+        return scores
+    B, S = scores.shape[0], scores.shape[-1]
+    scores = scores.reshape(B, kv_heads, repeats, L, S)
+    for m in masks:
+        m = _heads_form(m, kv_heads, repeats)
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + m
+    return scores.reshape(B, kv_heads, repeats * L, S)
 
 
 def one_group_rows_read_wrongly() -> bool:

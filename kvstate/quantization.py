@@ -4,7 +4,8 @@ rotations, the codec statics by name (`codec_of`, `CODEC_FIELDS`), and which sta
 QuantizedKVCache can hold as they are. For quantized sliding windows (QuantizedRotatingKV):
 `lanes` (the state as three RotatingKV windows of packed words, scales and biases) and
 `joined` (three lanes back as one state), and `dequantized` (the RotatingKV of its
-dequantized values, slot for slot)."""
+dequantized values, slot for slot). `latest`: the last n positions of an array (an exact
+tail's)."""
 
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._quantized import (
@@ -14,6 +15,7 @@ from ._quantized import (
     codec_of,
     is_mlx_lm_form,
     key_codec,
+    latest,
     value_codec,
     with_pads,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "joined",
     "key_codec",
     "lanes",
+    "latest",
     "packed_width",
     "rotation_matrix",
     "rotation_numpy",

@@ -109,6 +109,7 @@ def same_config_rows(draw: Any) -> list[Any]:
         config = {"bits": draw(st.sampled_from(QUANT_BITS)), "group_size": 32, "dtype": dtype}
         config |= {"heads": 1, "k_groups": 1, "v_groups": 1, "length": length}
         config |= {"rotation": draw(st.sampled_from(ROTATION_KINDS)), "seed": 1, "pads": (0, 8)}
+        config |= {"exact_latest": draw(st.sampled_from([0, 2]))}
         return [draw(quantized_kv_states(batch=1, **config)) for _ in range(n)]
     if kind == "turboquant":
         config = {"heads": 1, "key_dim": 12, "value_dim": 8, "key_bits": 3, "value_bits": 2}

@@ -21,7 +21,14 @@ import pytest
 import kvstate as ks
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import CONFIGS, tiny_model
-from kvstate.speculative import ModelDrafter, NGramDrafter, Sampler, generate
+from kvstate.speculative import (
+    CostAwarePolicy,
+    FixedCost,
+    ModelDrafter,
+    NGramDrafter,
+    Sampler,
+    generate,
+)
 from tests.helpers import ScriptedDrafter
 
 ARCHITECTURES = list(CONFIGS)  # llama qwen3 gemma3_text qwen3_next mamba2 nemotron_h ...
@@ -44,6 +51,13 @@ def drafter_of(mode: str, draft: Any) -> Any:
             "ngram": NGramDrafter()}[mode]  # fmt: skip
 
 
+def untimed() -> CostAwarePolicy:
+    """The default policy over scripted costs: its choices depend on the rows' history only.
+    The default one times its rounds, and under sampling another choice of drafts gives other
+    (equally distributed) tokens: on a loaded machine the two runs below then differ."""
+    return CostAwarePolicy(cost=FixedCost(lambda w: 1 + 0.1 * w))
+
+
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def models(request: Any) -> tuple[Any, Any]:
     target = wrap(tiny_model(request.param))
@@ -61,7 +75,7 @@ def test_continuing_equals_one_generation_over_the_whole_conversation(
     whole generation runs each conversation from scratch with the same seed."""
     target, draft = models
     first = generate(target, FIRST, drafter_of(mode, draft), max_tokens=6, sampler=sampler,
-                     seed=3, keep_states=True)  # fmt: skip
+                     seed=3, keep_states=True, policy=untimed())  # fmt: skip
     out1 = rows_of(first, 2)
     assert all(len(r) == 6 for r in out1)
     states = first.states
@@ -69,9 +83,11 @@ def test_continuing_equals_one_generation_over_the_whole_conversation(
     history = [p + o for p, o in zip(FIRST, out1, strict=True)]
     prompts = [*SECOND, [7, 7, 8]]
     cont = generate(target, prompts, drafter_of(mode, draft), max_tokens=8, sampler=sampler,
-                    seed=5, states=[*states, None], history=[*history, None])  # fmt: skip
+                    seed=5, states=[*states, None], history=[*history, None],
+                    policy=untimed())  # fmt: skip
     whole = generate(target, [history[0] + SECOND[0], history[1] + SECOND[1], [7, 7, 8]],
-                     drafter_of(mode, draft), max_tokens=8, sampler=sampler, seed=5)  # fmt: skip
+                     drafter_of(mode, draft), max_tokens=8, sampler=sampler, seed=5,
+                     policy=untimed())  # fmt: skip
     assert rows_of(cont, 3) == rows_of(whole, 3)
 
 

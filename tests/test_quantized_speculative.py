@@ -31,6 +31,14 @@ HEAD_DIM = 32  # one group of 32 per row: no pad channels, so K4/V4 is mlx-lm's 
 OPTIONS: dict[str, dict[str, Any]] = {
     "K4/V4": {"bits": 4, "group_size": 32},
     "K5/V3 hadamard": {"key_bits": 5, "value_bits": 3, "group_size": 32, "rotation": "hadamard"},
+    # the latest 6 exact: longer than two prompts (whole-length tails), verifies cross it
+    "K4/V3 hadamard exact 6": {
+        "key_bits": 4,
+        "value_bits": 3,
+        "group_size": 32,
+        "rotation": "hadamard",
+        "exact_latest": 6,
+    },
 }
 
 

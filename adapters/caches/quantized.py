@@ -61,18 +61,20 @@ def _(state: QuantizedKV, lib: ModuleType = LM) -> Any:
 
 def _batch_quantized(state: QuantizedKV, lib: ModuleType) -> Any:
     # seed included: a state keeps it even without a rotation, and this class cannot hold it
-    plain = (state.key_pad, state.value_pad, state.rotation, state.seed) == (0, 0, "none", 0)
+    statics = (state.key_pad, state.value_pad, state.rotation, state.seed, state.exact_latest)
+    plain = statics == (0, 0, "none", 0, 0)
     if not plain or (state.key_bits, state.key_group_size) != (
         state.value_bits,
         state.value_group_size,
     ):
         raise NotSupportedError(
             "to_mlx_vlm: mlx-vlm's BatchQuantizedKVCache has one bits and group_size for keys "
-            "and values and no padded channels, rotation or seed; this QuantizedKV has "
+            "and values and no padded channels, rotation, seed or exact tail; this QuantizedKV "
+            "has "
             f"key_bits={state.key_bits}, value_bits={state.value_bits}, key_group_size="
             f"{state.key_group_size}, value_group_size={state.value_group_size}, key_pad="
             f"{state.key_pad}, value_pad={state.value_pad}, rotation={state.rotation!r}, "
-            f"seed={state.seed}"
+            f"seed={state.seed}, exact_latest={state.exact_latest}"
         )
     padding = fresh(state.left_padding)
     batch = lib.BatchQuantizedKVCache.__new__(lib.BatchQuantizedKVCache)

@@ -2,7 +2,9 @@
 QuantizedKVCache cannot hold (keys and values at different bits or group sizes, a rotation,
 pad channels or left padding), read by kvstate's `quantized_attention` (a wrapped model's
 attention modules are routed to it: `instruments.routing`). Its cache -> state converter is
-registered here, next to the class.
+registered here, next to the class. A state with an exact tail (`exact_latest` R > 0) keeps
+its latest keys and values unquantized here too: each update appends the new ones to the
+last R held, so a forward of L tokens reads R + L of them.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, dynamic_roll
 
 from kvstate import NotSupportedError, QuantizedKV, StateError, quantized_attention
-from kvstate.kinds import replace
-from kvstate.quantization import key_codec, value_codec, with_pads
+from kvstate.kinds import host_ints, replace
+from kvstate.quantization import key_codec, latest, value_codec, with_pads
 
 from .compat import refuse_mid_prompt
 from .registry import Quantized, fresh, register_from, triple
@@ -35,10 +37,19 @@ class QuantizedStateCache(_BaseCache):
     step = 256
 
     def __init__(self, state: QuantizedKV) -> None:
-        self.spec = replace(state, keys=None, values=None, left_padding=None, appended=0)
+        self.spec = replace(
+            state,
+            keys=None,
+            values=None,
+            left_padding=None,
+            tail_keys=None,
+            tail_values=None,
+            appended=0,
+        )
         self.keys = triple(state.keys)
         self.values = triple(state.values)
         self.left_padding = fresh(state.left_padding)
+        self.tails = (fresh(state.tail_keys), fresh(state.tail_values))
         self._idx = state.length
         self._right_padding: mx.array | None = None
 
@@ -64,6 +75,8 @@ class QuantizedStateCache(_BaseCache):
             keys=self.keys,
             values=self.values,
             left_padding=self.left_padding,
+            tail_keys=self.tails[0],
+            tail_values=self.tails[1],
             length=self._idx,
         )
 
@@ -76,6 +89,8 @@ class QuantizedStateCache(_BaseCache):
             keys=triple(self.keys),
             values=triple(self.values),
             left_padding=fresh(self.left_padding),
+            tail_keys=fresh(self.tails[0]),
+            tail_values=fresh(self.tails[1]),
             length=self._idx,
             appended=appended,
         )
@@ -96,7 +111,16 @@ class QuantizedStateCache(_BaseCache):
         self.keys = (keys_buf[0], keys_buf[1], keys_buf[2])
         self.values = (values_buf[0], values_buf[1], values_buf[2])
         self._idx = prev + n
+        if self.spec.exact_latest:
+            self.tails = (self._appended_tail(0, keys), self._appended_tail(1, values))
         return self.keys_and_values()
+
+    def _appended_tail(self, side: int, new: mx.array) -> mx.array:
+        """Tail `side` (0 keys, 1 values): its last exact_latest positions, then `new`."""
+        held = self.tails[side]
+        if held is None:
+            return new
+        return mx.concatenate([latest(held, self.spec.exact_latest), new], axis=2)
 
     def keys_and_values(self) -> tuple[Quantized, Quantized]:
         assert self.keys is not None and self.values is not None
@@ -147,6 +171,11 @@ class QuantizedStateCache(_BaseCache):
         lp = self.left_padding
         self.left_padding = padding if lp is None else lp + padding
         self._right_padding = None
+        if self.tails[0] is not None:
+            # Slots rolled round from a tail's end land under the row's new padding when the
+            # tail holds the whole length; otherwise they are cut.
+            cut = 0 if self.tails[0].shape[2] == self._idx else max(host_ints(padding))
+            self.tails = tuple(dynamic_roll(t, roll, axis=2)[..., cut:, :] for t in self.tails)
 
     def is_trimmable(self) -> bool:
         return True
@@ -154,6 +183,8 @@ class QuantizedStateCache(_BaseCache):
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
         self._idx -= n
+        if self.tails[0] is not None:  # positions trimmed past the tail are read quantized
+            self.tails = tuple(t[..., : max(0, t.shape[2] - n), :] for t in self.tails)
         return n
 
     def size(self) -> int:
@@ -164,7 +195,8 @@ class QuantizedStateCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for q in (self.keys, self.values) if q is not None for a in q)
+        held = [*(self.keys or ()), *(self.values or ()), *(t for t in self.tails if t is not None)]
+        return sum(a.nbytes for a in held)
 
 
 def _grown(current: Quantized | None, new: Quantized, prev: int, n: int, step: int) -> Quantized:

@@ -88,7 +88,9 @@ def generate(
     tree, to maximise the expected tokens per unit of time: from each row's recent
     acceptance, the drafter's confidence (`NGramDrafter`'s match lengths) and the cost of a
     verify relative to a plain step, timed online. It only chooses how much to propose, so
-    the output is unchanged. Its estimates: `Generation.policy` (`acceptance`,
+    greedy output is unchanged and sampled tokens keep their distribution; but which tokens
+    a seed gives depends on those choices, and timings vary, so for sampled tokens a seed
+    reproduces pass `adaptive=False` or a policy over a `FixedCost`. Its estimates: `Generation.policy` (`acceptance`,
     `cost_ratio(w)`, `last`). `adaptive=False`: every round asks for `k` drafts.
 
     `tree`: verify several candidate continuations per round, from the drafter's

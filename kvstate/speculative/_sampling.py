@@ -19,8 +19,10 @@ key covers the whole (B, ...) array), so rows are independent too, in every mode
 tree, paths, MTP heads, n-gram drafts, ragged batches). A drafter's own `seed=` applies only
 when it is started without a key (driven by hand): inside `generate` neither it nor any choice
 of the generator's seed can make a draft reuse the noise of the token it is checked against.
-The same `generate(..., seed=s)` call gives the same tokens; greedy output does not depend on
-the seed at all. A draw may also take row keys, (B, 2), one key per row (`_row_keys`): a
+The same `generate(..., seed=s)` call gives the same tokens when the rounds' draft counts are
+the same (fixed `k`, or a policy over a `FixedCost`: the default policy times its rounds, and
+another count gives other, equally distributed, tokens); greedy output does not depend on the
+seed or the counts at all. A draw may also take row keys, (B, 2), one key per row (`_row_keys`): a
 serving engine's rows are requests with seeds of their own, and row b's noise is then a
 function of its key alone.
 """

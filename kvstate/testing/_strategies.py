@@ -260,6 +260,7 @@ def quantized_kv_states(
     length: Knob = None,
     empty: Knob = None,
     appended: Knob = None,
+    exact_latest: Knob = None,
 ) -> QuantizedKV:
     """A `QuantizedKV`.
 
@@ -271,8 +272,10 @@ def quantized_kv_states(
     seed; `padded`: per-row left padding (like a merged batch; drawn when not fixed);
     the scales' dtype in `DTYPES`; length in 1..max_length (or `keys is None`, length 0,
     with `empty=True`); spare capacity past the length (garbage); `appended` in
-    0..min(row lengths). Keys and values are triples of random normal head vectors encoded
-    by the state's own codec (padded, rotated, `mx.quantize`d).
+    0..min(row lengths); `exact_latest` in {0, 1, 3} (0 half of the time), its tail the
+    latest min(length, exact_latest + appended) raw head vectors (what transforms keep). Keys
+    and values are triples of random normal head vectors encoded by the state's own codec
+    (padded, rotated, `mx.quantize`d).
     """
     batch = _knob(draw, batch, st.integers(1, 3))
     heads = _knob(draw, heads, st.integers(1, 2))
@@ -297,7 +300,9 @@ def quantized_kv_states(
     padded = _knob(draw, padded, st.booleans())
     dtype = _knob(draw, dtype, st.sampled_from(DTYPES))
     appended = _knob(draw, appended, st.none())
+    exact_latest = _knob(draw, exact_latest, st.sampled_from([0, 0, 1, 3]))
     spec = QuantizedKV(
+        exact_latest=exact_latest,
         key_bits=key_bits,
         value_bits=value_bits,
         key_group_size=key_group_size,
@@ -315,11 +320,15 @@ def quantized_kv_states(
     shape = (batch, heads, capacity)
     keys = _noise(noise_seed, (*shape, k_groups * key_group_size - key_pad), dtype)
     values = _noise(noise_seed + 1, (*shape, v_groups * value_group_size - value_pad), dtype)
+    width = min(length, exact_latest + appended)
+    tails = [x[..., length - width : length, :] if exact_latest else None for x in (keys, values)]
     return replace(
         spec,
         keys=key_codec(spec).encode(keys),
         values=value_codec(spec).encode(values),
         left_padding=mx.array(paddings, mx.int32) if padded else None,
+        tail_keys=tails[0],
+        tail_values=tails[1],
         length=length,
         appended=appended,
     )
