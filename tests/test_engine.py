@@ -390,12 +390,21 @@ def test_a_file_that_is_no_prefix_cache_is_refused(tmp_path, llama):
 # -- states and drafters ------------------------------------------------------------------
 
 
-def test_a_quantized_target_decodes_as_quantized_states_alone():
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {"bits": 4, "group_size": 32},
+        # an exact tail of 6 (kvstate.quantize's exact_latest), given as quantize's keywords
+        {"key_bits": 4, "value_bits": 3, "group_size": 32, "rotation": "hadamard",
+         "exact_latest": 6},
+    ],
+    ids=["K4/V4", "K4/V3 exact 6"],
+)  # fmt: skip
+def test_a_quantized_target_decodes_as_quantized_states_alone(kv):
     model = tiny_model("llama", head_dim=32)
     target = wrap(model)
-    kv = {"bits": 4, "group_size": 32}
     oracle = Oracle(model, target, N, kv)
-    engine = Engine(target, NGramDrafter(), kv_bits=4, kv_group_size=32, prefill_chunk=8,
+    engine = Engine(target, NGramDrafter(), kv_bits=kv, prefill_chunk=8,
                     prefix_cache_bytes=10**7)  # fmt: skip
     requests = [engine.submit(p, RequestParams(max_tokens=N)) for p in [LONG, (1, 2, 3), LONG]]
     run_all(engine)
