@@ -61,9 +61,9 @@ def kvstate_option(spec: str) -> tuple[str, dict[str, Any], type | None]:
     """(label, `quantize` keywords, the one layer kind to quantize or None) of an option
     written as words: "K4/V3" (key / value bits), then any of a rotation ("hadamard", "so4"),
     "g32" (both group sizes), "kg32" / "vg32" (one side's), "exact32" (each query reads its
-    latest 32 tokens unquantized: `exact_latest`; sliding windows take no tail yet, so they
-    are quantized without one), "dense-only" / "windows-only" (quantize only the global or
-    only the sliding-window layers). Default group 64."""
+    latest 32 tokens unquantized: `exact_latest`, windows included), "dense-only" /
+    "windows-only" (quantize only the global or only the sliding-window layers). Default
+    group 64."""
     words = spec.split()
     bits = words[0].upper().removeprefix("K").split("/V")
     kw: dict[str, Any] = {"key_bits": int(bits[0]), "value_bits": int(bits[1]), "group_size": 64}
@@ -85,20 +85,12 @@ def kvstate_option(spec: str) -> tuple[str, dict[str, Any], type | None]:
 
 
 def quantize_some(state: Any, kw: dict[str, Any], kind: type | None) -> Any:
-    """`ks.quantize(state, **kw)`, or only its layers of `kind`; windows without the exact
-    tail (`quantize` refuses one there)."""
-    if kind is None and "exact_latest" not in kw:
+    """`ks.quantize(state, **kw)`, or only its layers of `kind`."""
+    if kind is None:
         return ks.quantize(state, **kw)
-    untailed = {k: v for k, v in kw.items() if k != "exact_latest"}
-
-    def layer(p: Any) -> Any:
-        if kind is not None and type(p) is not kind:
-            return p
-        if type(p) is ks.RotatingKV:
-            return ks.quantize(p, **untailed)
-        return ks.quantize(p, **kw) if type(p) is ks.DenseKV else p
-
-    return ks.ModelState(tuple(layer(p) for p in state.layers))
+    return ks.ModelState(
+        tuple(ks.quantize(p, **kw) if type(p) is kind else p for p in state.layers)
+    )
 
 
 MLX_LM_BITS = (4, 8)

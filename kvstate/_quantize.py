@@ -38,9 +38,11 @@ def quantize(
     multiple of a side's group size are zero-padded up to one (stored 80 -> 96 at group 32).
     Only the `length` used positions are quantized; left padding and `appended` carry over.
     `exact_latest` R > 0 keeps each query's latest R tokens unquantized as well (QuantizedKV's
-    exact tail; 16-32 take K4/V3's perplexity to within 1% of fp16, BENCHMARKS.md): the
-    state's last R + appended positions start it. Sliding windows take no tail (yet): a
-    RotatingKV with R > 0 is refused.
+    exact tail; 16-32 take K4/V3's perplexity to within 1-2% of the unquantized cache on
+    SmolLM2, BENCHMARKS.md): the state's last R + appended positions start it. A sliding
+    window keeps its latest R in a dense ring of R slots beside the quantized one
+    (`QuantizedRotatingKV.exact`); it takes one only before its first forward (an empty
+    window: as `generate` and the engine quantize), a filled one is refused.
 
     A RotatingKV (sliding window) becomes a QuantizedRotatingKV with the same codec (mlx-lm
     has no quantized window). A ModelState or ListState is mapped over: its DenseKV and
@@ -112,13 +114,6 @@ def _quantize_layers(state: Any, empty: QuantizedKV) -> Any:
 
 
 def _quantize_window(state: RotatingKV, empty: QuantizedKV) -> Any:
-    require(
-        empty.exact_latest == 0,
-        NotSupportedError,
-        f"quantize: exact_latest={empty.exact_latest} is for full-attention (DenseKV) layers; "
-        "a quantized sliding window (QuantizedRotatingKV) keeps no exact tail yet: quantize "
-        "windows with exact_latest=0 (or leave them dense)",
-    )
     return quantize_window(state, empty)
 
 

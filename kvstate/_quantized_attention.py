@@ -27,7 +27,8 @@ import mlx.core as mx
 
 from ._errors import ShapeError, StateError, require
 from ._quant_codec import Quantized
-from ._quantized import QuantizedKV, key_codec, used_q, value_codec
+from ._quantized import QuantizedKV, key_codec, latest, used_q, value_codec
+from ._tree import replace
 
 
 def quantized_attention(
@@ -58,12 +59,12 @@ def quantized_attention(
         "heads a multiple)",
     )
     repeats = n_heads // kv_heads
-    # (B, n_heads, L, D) -> (B, kv_heads, repeats * L, D): head h = kv * repeats + r reads
-    # kv head kv, as in mlx-lm's GQA.
-    q = (kc.rotate(queries) * scale).reshape(B, kv_heads, repeats * L, -1)
-    scores = _quantized_matmul(q, keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
     masks = _masks(mask, state, L)
     if state.tail_keys is None or state.tail_values is None:
+        # (B, n_heads, L, D) -> (B, kv_heads, repeats * L, D): head h = kv * repeats + r
+        # reads kv head kv, as in mlx-lm's GQA.
+        q = (kc.rotate(queries) * scale).reshape(B, kv_heads, repeats * L, -1)
+        scores = _quantized_matmul(q, keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
         scores = _masked(scores, masks, kv_heads, repeats, L)
         weights = mx.softmax(scores, axis=-1, precise=True)
         out = _quantized_matmul(
@@ -72,14 +73,86 @@ def quantized_attention(
         return vc.unrotate(out.reshape(B, n_heads, L, -1))
     # The exact tail: its keys' scores beside the quantized ones, one softmax over both.
     width = int(state.tail_keys.shape[2])
+    raw = min(state.exact_latest, width)
+    if L == 1 and mask is None and raw < state.length:
+        # One query (a decode step) reads its latest `raw` keys from the tail and the rest
+        # quantized: a cut of each part, no masks but the padding's (the host encodes fewer
+        # kernels; a GPU decode step is bound by that).
+        view = replace(state, length=state.length - raw)
+        padding = _masks(None, state, 1)
+        return _two_parts(
+            queries,
+            view,
+            scale,
+            _masks(None, view, 1),
+            latest(state.tail_keys, raw),
+            latest(state.tail_values, raw),
+            [_latest_columns(m, state.length, raw) for m in padding],
+        )
     exact = _read_exactly(state, L)  # (L, length): the key is read from the tail
-    tail_q = (queries * scale).reshape(B, kv_heads, repeats * L, -1)
-    tail_scores = tail_q @ state.tail_keys.swapaxes(-1, -2).astype(tail_q.dtype)
     tail_masks = [_latest_columns(m, state.length, width) for m in masks]
-    scores = _masked(scores, [*masks, ~exact], kv_heads, repeats, L)
-    tail_scores = _masked(tail_scores, [*tail_masks, exact[:, -width:]], kv_heads, repeats, L)
+    return _two_parts(
+        queries,
+        state,
+        scale,
+        [*masks, ~exact],
+        state.tail_keys,
+        state.tail_values,
+        [*tail_masks, exact[:, -width:]],
+    )
+
+
+def attention_with_raw_keys(
+    queries: mx.array,
+    state: QuantizedKV,
+    raw_keys: mx.array,
+    raw_values: mx.array,
+    *,
+    scale: float,
+    mask: Any,
+    read_raw: mx.array,
+    raw_mask: Any,
+) -> mx.array:
+    """One softmax over a QuantizedKV's keys (`mask` as for `quantized_attention`, and not
+    where `read_raw`, bool, broadcastable to (B, n_heads, L, length), is True: those keys are
+    read from `raw_keys`) and over unquantized `raw_keys` / `raw_values` (B, kv_heads, S, D),
+    masked by `raw_mask` (None or a bool array broadcastable to (B, n_heads, L, S)): a quantized
+    sliding window and the ring of its latest tokens (`QuantizedRotatingKV.exact`)."""
+    require(
+        state.keys is not None and state.values is not None,
+        StateError,
+        "attention_with_raw_keys: the state is empty; run a forward (update the cache) first",
+    )
+    masks = _masks(mask, state, int(queries.shape[2]))
+    raw_masks = [] if raw_mask is None else [raw_mask]
+    return _two_parts(queries, state, scale, [*masks, ~read_raw], raw_keys, raw_values, raw_masks)
+
+
+def _two_parts(
+    queries: mx.array,
+    state: QuantizedKV,
+    scale: float,
+    masks: list[mx.array],
+    raw_keys: mx.array,
+    raw_values: mx.array,
+    raw_masks: list[mx.array],
+) -> mx.array:
+    """softmax over [quantized scores under `masks`, raw scores under `raw_masks`], then the
+    quantized values' part plus the raw values' part."""
+    assert state.keys is not None and state.values is not None
+    kc, vc = key_codec(state), value_codec(state)
+    keys, values = used_q(state.keys, state.length), used_q(state.values, state.length)
+    B, n_heads, L, _ = queries.shape
+    kv_heads = int(keys[0].shape[1])
+    repeats = n_heads // kv_heads
+    q = (kc.rotate(queries) * scale).reshape(B, kv_heads, repeats * L, -1)
+    scores = _quantized_matmul(q, keys, transpose=True, group_size=kc.group_size, bits=kc.bits)
+    raw_q = (queries * scale).reshape(B, kv_heads, repeats * L, -1)
+    raw_scores = raw_q @ raw_keys.swapaxes(-1, -2).astype(raw_q.dtype)
+    scores = _masked(scores, masks, kv_heads, repeats, L)
+    raw_scores = _masked(raw_scores, raw_masks, kv_heads, repeats, L)
     weights = mx.softmax(
-        mx.concatenate([scores, tail_scores.astype(scores.dtype)], axis=-1),
+        mx.concatenate([scores, raw_scores.astype(scores.dtype)], axis=-1),
         axis=-1,
         precise=True,
     )
@@ -90,10 +163,8 @@ def quantized_attention(
         group_size=vc.group_size,
         bits=vc.bits,
     )
-    tail_out = weights[..., state.length :].astype(tail_q.dtype) @ state.tail_values.astype(
-        tail_q.dtype
-    )
-    return vc.unrotate(out.reshape(B, n_heads, L, -1)) + tail_out.reshape(B, n_heads, L, -1)
+    raw_out = weights[..., state.length :].astype(raw_q.dtype) @ raw_values.astype(raw_q.dtype)
+    return vc.unrotate(out.reshape(B, n_heads, L, -1)) + raw_out.reshape(B, n_heads, L, -1)
 
 
 def _read_exactly(state: QuantizedKV, L: int) -> mx.array:

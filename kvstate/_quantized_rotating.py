@@ -15,7 +15,13 @@ layouts and its exact rollback across a wrap, and `dequantized(T(q)) == T(dequan
 for every transform T (the property tests check it).
 
 Attention reads the packed window through kvstate's `quantized_attention` (the adapters'
-`QuantizedRotatingCache`): no dequantized copy of the window is made. Like QuantizedKV it
+`QuantizedRotatingCache`): no dequantized copy of the window is made.
+
+With `exact_latest` R > 0 (QuantizedKV's exact tail, for windows) the state also holds
+`exact`: a dense RotatingKV of max_size R, the raw keys and values of the latest R tokens. A
+query reads those from it and the rest of its window quantized (the rule of QuantizedKV's
+tail: key t raw iff t > t_q - R). RotatingKV's own code keeps that ring (multi-token forwards,
+the exact rollback, rows), so every transform runs on it beside the three lanes. Like QuantizedKV it
 keeps no tree path (no `keep_path`: tree forwards refuse quantized caches); verify linearly
 or as a batch of paths.
 """
@@ -27,7 +33,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from ._errors import CommitError, ConfigMismatchError, require
+from ._errors import CommitError, ConfigMismatchError, NotSupportedError, require
 from ._quant_codec import Quantized, channel_pad
 from ._quantized import (
     CODEC_FIELDS,
@@ -78,6 +84,7 @@ class QuantizedRotatingKV(State):
     left_padding: mx.array | None = None
     offsets: mx.array | None = None
     previous: QuantizedRotatingKV | None = None
+    exact: RotatingKV | None = None
     max_size: int = static_field(default=1)
     keep: int = static_field(default=0)
     offset: int = static_field(default=0)
@@ -92,6 +99,14 @@ class QuantizedRotatingKV(State):
     value_pad: int = static_field(default=0)
     rotation: str = static_field(default="none")
     seed: int = static_field(default=0)
+    exact_latest: int = static_field(default=0)
+
+    @staticmethod
+    def __kvstate_upgrade__(statics: dict[str, Any], children: dict[str, Any]) -> Any:
+        """A file written before the exact ring (no exact_latest, exact) -> today's fields."""
+        if "exact_latest" in statics or "exact" in children:
+            return None
+        return {**statics, "exact_latest": 0}, {**children, "exact": None}
 
 
 W = TypeVar("W", RotatingKV, QuantizedRotatingKV)
@@ -153,8 +168,23 @@ def joined(codec: dict[str, Any], windows: Sequence[RotatingKV]) -> QuantizedRot
 def _per_lane(
     codec: dict[str, Any], states: Sequence[QuantizedRotatingKV], fn: Callable[..., RotatingKV]
 ) -> QuantizedRotatingKV:
-    """`fn(lane_i of each state)` for the three lanes, joined."""
-    return joined(codec, [fn(*(lane(s, i) for s in states)) for i in range(3)])
+    """`fn(lane_i of each state)` for the three lanes, joined, and `fn` of the states' exact
+    rings beside them."""
+    out = joined(codec, [fn(*(lane(s, i) for s in states)) for i in range(3)])
+    return with_exact(out, states[0].exact_latest, [s.exact for s in states], fn)
+
+
+def with_exact(
+    state: QuantizedRotatingKV,
+    exact_latest: int,
+    rings: Sequence[RotatingKV | None],
+    fn: Callable[..., RotatingKV],
+) -> QuantizedRotatingKV:
+    """`state` with `exact_latest` and the exact ring `fn(*rings)` (None without one)."""
+    if not exact_latest:
+        return state
+    assert all(r is not None for r in rings)
+    return replace(state, exact=fn(*rings), exact_latest=exact_latest)
 
 
 def _filled_codec(states: Sequence[QuantizedRotatingKV]) -> dict[str, Any]:
@@ -206,7 +236,42 @@ def _(state: QuantizedRotatingKV, values: bool) -> list[str]:
         if found:
             return found
     # The window's own bookkeeping, checked on the scales lane (floating, like RotatingKV's).
-    return found + problems(lane(state, 1), values)
+    found += problems(lane(state, 1), values)
+    return found or _exact_problems(state, values)
+
+
+def _exact_problems(state: QuantizedRotatingKV, values: bool) -> list[str]:
+    """The exact ring: present iff exact_latest > 0, a RotatingKV of max_size exact_latest
+    (keep 0) of the window's rows, heads and head dims (its offsets are its own: a merged or
+    ragged ring of R slots keeps other bookkeeping than a window of max_size)."""
+    ring, r = state.exact, state.exact_latest
+    if type(r) is not int or r < 0:
+        return [f"exact_latest: must be an int >= 0; got {r!r}"]
+    if not r:
+        return [] if ring is None else ["exact: only a state with exact_latest > 0 keeps one"]
+    if not isinstance(ring, RotatingKV):
+        return [f"exact: exact_latest={r} needs a RotatingKV; got {type(ring).__name__}"]
+    found = [f"exact.{m}" for m in problems(ring, values)]
+    if found:
+        return found
+    if (ring.max_size, ring.keep) != (r, 0):
+        found.append(
+            f"exact: max_size {ring.max_size}, keep {ring.keep}; the ring of the latest {r} "
+            f"tokens needs {r}, 0"
+        )
+    if batch_size_of(ring) != batch_size_of(state):
+        found.append(f"exact: {batch_size_of(ring)} rows, the window {batch_size_of(state)}")
+    if state.keys is not None and ring.keys is not None and ring.values is not None:
+        want = (int(state.keys[0].shape[1]), *config_dims(state))
+        got = (int(ring.keys.shape[1]), int(ring.keys.shape[3]), int(ring.values.shape[3]))
+        if got != want:
+            found.append(f"exact: heads and head dims {got}; the window's are {want}")
+    return found
+
+
+def config_dims(state: QuantizedRotatingKV) -> tuple[int, int]:
+    assert state.keys is not None and state.values is not None
+    return key_codec(state).dim(state.keys), value_codec(state).dim(state.values)
 
 
 @capabilities_of.register
@@ -215,7 +280,8 @@ def _(state: QuantizedRotatingKV) -> Capabilities:
         trimmable=True,
         ragged_commit=not state.keep,
         batchable=not state.keep,
-        can_roll_back=_can_roll_back(lane(state, 0)),
+        can_roll_back=_can_roll_back(lane(state, 0))
+        and (state.exact is None or _can_roll_back(state.exact)),
     )
 
 
@@ -229,6 +295,7 @@ def _(state: QuantizedRotatingKV) -> int:
 @config_of.register
 def _(state: QuantizedRotatingKV) -> dict[str, Any]:
     statics = {f: getattr(state, f) for f in CODEC_FIELDS if not f.endswith("_pad")}
+    statics["exact_latest"] = state.exact_latest
     k, v = state.keys, state.values
     if k is None or v is None:
         return kv_config("QuantizedRotatingKV", max_size=state.max_size, keep=state.keep, **statics)
@@ -267,14 +334,20 @@ def _(state: QuantizedRotatingKV, before: QuantizedRotatingKV, n: int) -> Quanti
     # As RotatingKV: a multi-token forward may push entries out, so keep the window before it.
     previous = None
     if n > 1:
-        previous = replace(before, previous=None, appended=0, **codec_of(state))
-    return replace(state, previous=previous, appended=n)
+        previous = replace(
+            before, previous=None, exact=None, exact_latest=0, appended=0, **codec_of(state)
+        )
+    out = replace(state, previous=previous, appended=n)
+    if state.exact is None or before.exact is None:
+        return out
+    return replace(out, exact=record_forward(state.exact, before.exact, n))
 
 
 @commit_rows.register
 def _(state: QuantizedRotatingKV, counts: tuple[int, ...], checkpoints: Any) -> Any:
     if all(c == state.appended for c in counts):  # every decode step: no lanes needed
-        return replace(state, previous=None, appended=0)
+        ring = None if state.exact is None else commit_rows(state.exact, counts, None)
+        return replace(state, previous=None, appended=0, exact=ring)
     try:
         return _per_lane(codec_of(state), [state], lambda w: commit_rows(w, counts, None))
     except CommitError as e:  # the lanes' RotatingKV errors, named for this kind
@@ -311,6 +384,14 @@ def quantize_window(state: RotatingKV, spec: Any) -> QuantizedRotatingKV:
     of the buffer is quantized (used or not: the ring's layout is kept as it is), and
     `previous` with the same codec."""
     codec = codec_of(spec)
+    exact_latest = getattr(spec, "exact_latest", 0)
+    require(
+        not exact_latest or (state.keys is None and state.previous is None),
+        NotSupportedError,
+        f"quantize: exact_latest={exact_latest} on a sliding window that already holds tokens; "
+        "quantize it before its first forward (an empty state, as generate and the engine do), "
+        "or with exact_latest=0",
+    )
     if state.keys is not None and state.values is not None:
         codec["key_pad"] = channel_pad(int(state.keys.shape[-1]), codec["key_group_size"])
         codec["value_pad"] = channel_pad(int(state.values.shape[-1]), codec["value_group_size"])
@@ -321,7 +402,12 @@ def quantize_window(state: RotatingKV, spec: Any) -> QuantizedRotatingKV:
             codec["value_pad"] = channel_pad(int(prev.values.shape[-1]), codec["value_group_size"])
         else:
             codec["key_pad"] = codec["value_pad"] = 0
-    return _encoded(state, codec)
+    encoded = _encoded(state, codec)
+    if not exact_latest:
+        return encoded
+    ring = _window(RotatingKV, state, None, None, None)
+    ring = replace(ring, max_size=exact_latest, keep=0, index=0, rotated=False)
+    return replace(encoded, exact=ring, exact_latest=exact_latest)
 
 
 def _encoded(state: RotatingKV, codec: dict[str, Any]) -> QuantizedRotatingKV:

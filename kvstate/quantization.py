@@ -5,7 +5,8 @@ QuantizedKVCache can hold as they are. For quantized sliding windows (QuantizedR
 `lanes` (the state as three RotatingKV windows of packed words, scales and biases) and
 `joined` (three lanes back as one state), and `dequantized` (the RotatingKV of its
 dequantized values, slot for slot). `latest`: the last n positions of an array (an exact
-tail's)."""
+tail's); `attention_with_raw_keys`: one softmax over quantized and raw keys (a window and its
+exact ring)."""
 
 from ._quant_codec import Codec, Quantized, channel_pad, packed_width
 from ._quantized import (
@@ -19,6 +20,7 @@ from ._quantized import (
     value_codec,
     with_pads,
 )
+from ._quantized_attention import attention_with_raw_keys
 from ._quantized_rotating import dequantized, joined, lanes
 from ._rotations import ROTATIONS, rotation_matrix, rotation_numpy
 
@@ -29,6 +31,7 @@ __all__ = [
     "ROTATIONS",
     "Codec",
     "Quantized",
+    "attention_with_raw_keys",
     "channel_pad",
     "codec_of",
     "dequantized",

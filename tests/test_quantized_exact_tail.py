@@ -12,14 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm.models.gemma3_text as gemma3_text
 import mlx_lm.models.llama as llama
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 import kvstate as ks
 from kvstate.adapters import wrap
-from kvstate.adapters.tiny_models import tiny_model
+from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.quantization import Codec, key_codec, rotation_numpy, value_codec
 
 from .test_quantized_options import f64
@@ -125,24 +126,30 @@ def oracle_attention(queries, keys, values, cache, scale, mask, sinks=None):
     return (weights * exact) @ v + (weights * ~exact) @ v_q
 
 
-def oracle_logits(monkeypatch, chunks: list[list[int]]) -> list[np.ndarray]:
-    """A fresh tiny llama (the same weights; a wrapped one reads its attention through
-    kvstate's routing, which a module patch does not reach) over `chunks`."""
-    model = tiny_model("llama")
-    caches = make_prompt_cache(model)
+MODULES = {"llama": llama, "gemma3_text": gemma3_text}
+
+
+def oracle_logits(monkeypatch, name: str, chunks: list[list[int]]) -> list[np.ndarray]:
+    """A fresh tiny model (the same weights; a wrapped one reads its attention through
+    kvstate's routing, which a module patch does not reach) over `chunks`, every layer on a
+    plain KVCache of the whole history (a sliding layer's window is then its mask's)."""
+    model = tiny_model(name)
+    caches = [KVCache() for _ in model.layers]
     with monkeypatch.context() as patch:
-        patch.setattr(llama, "scaled_dot_product_attention", oracle_attention)
+        patch.setattr(MODULES[name], "scaled_dot_product_attention", oracle_attention)
         return [np.array(model(mx.array([c]), cache=caches)[0]) for c in chunks]
 
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 60, 61, 62, 5]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("sizes", [[14], [5, 3, 1, 1, 4], [1] * 14])
-def test_a_wrapped_model_reads_like_mlx_lm_under_the_rule(monkeypatch, sizes):
+def test_a_wrapped_model_reads_like_mlx_lm_under_the_rule(monkeypatch, name, sizes):
     """Prefill in chunks of `sizes`, then 6 greedy steps: every forward's logits equal the
-    oracle's (which read the same positions raw), whatever the chunking."""
-    model = tiny_model("llama")
+    oracle's (which read the same positions raw), whatever the chunking. gemma3_text's
+    windows of 8 wrap: their latest R come from the exact ring."""
+    model = tiny_model(name)
     m = wrap(model)
     state = ks.quantize(m.init_state(), exact_latest=R, **OPTIONS)
     chunks, start = [], 0
@@ -157,11 +164,14 @@ def test_a_wrapped_model_reads_like_mlx_lm_under_the_rule(monkeypatch, sizes):
         chunks.append([int(np.argmax(got[-1][-1]))])
         logits, state = m(mx.array([chunks[-1]]), state)
         got.append(np.array(logits[0]))
-    expected = oracle_logits(monkeypatch, chunks)
+    expected = oracle_logits(monkeypatch, name, chunks)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, atol=2e-4, rtol=1e-4)
-    layer = state.layers[0]
-    assert isinstance(layer, ks.QuantizedKV) and layer.tail_keys.shape[2] == R + 1
+    for layer in state.layers:
+        if isinstance(layer, ks.QuantizedKV):
+            assert layer.tail_keys.shape[2] == R + 1
+        else:
+            assert isinstance(layer, ks.QuantizedRotatingKV) and layer.exact.max_size == R
     # Not vacuous: without the tail the same tokens read other logits.
     plain = ks.quantize(m.init_state(), **OPTIONS)
     logits, _ = m(mx.array([[t for c in chunks for t in c]]), plain)
@@ -248,9 +258,15 @@ def test_a_tail_is_never_mlx_lm_form_and_bad_tails_are_named():
         ks.quantize(plain, exact_latest=-1)
     with pytest.raises(ks.ConfigMismatchError, match="exact_latest"):
         ks.merge([_filled(), _filled(2)])
-    window = wrap(tiny_model("gemma3_text")).init_state()
-    with pytest.raises(ks.NotSupportedError, match="no exact tail"):
-        ks.quantize(window, exact_latest=2)
+    m = wrap(tiny_model("gemma3_text"))
+    _, filled = m(mx.array([PROMPT]), m.init_state())
+    with pytest.raises(ks.NotSupportedError, match="already holds tokens"):
+        ks.quantize(filled, exact_latest=2)  # a window's ring starts empty
+    ring = ks.quantize(m.init_state(), exact_latest=2).layers[0]
+    with pytest.raises(ks.StateError, match="exact: max_size"):
+        ks.check(ks.kinds.replace(ring, exact=ks.kinds.replace(ring.exact, max_size=3)))
+    with pytest.raises(ks.StateError, match="exact: only a state"):
+        ks.check(ks.kinds.replace(ring, exact_latest=0))
 
 
 def test_mlx_vlm_caches_refuse_a_tail_they_cannot_hold():
@@ -264,3 +280,96 @@ def test_mlx_vlm_caches_refuse_a_tail_they_cannot_hold():
     ):
         with pytest.raises(ks.NotSupportedError):
             to_mlx_vlm(ks.ModelState((state,)))
+
+
+# --- sliding windows: the exact ring through verifies, rollbacks and rows --------------------
+
+
+def _gemma() -> tuple[Any, Any]:
+    return tiny_model("gemma3_text"), wrap(tiny_model("gemma3_text"))
+
+
+def _exact_state(m: Any, batch: int = 1) -> Any:
+    return ks.quantize(m.init_state(batch), exact_latest=R, **OPTIONS)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3, 5])
+def test_a_verify_across_the_wrap_rolls_the_ring_back_exactly(monkeypatch, accepted):
+    """A 12-token prompt and 4 steps (window 8 wrapped), a 5-token verify, commit_prefix
+    (accepted), 4 more steps: the verify's accepted logits and the steps' are the oracle's
+    over the accepted tokens only."""
+    _, m = _gemma()
+    prompt, steps, draft, after = _ids(2, 12), _ids(3, 4), _ids(4, 5), _ids(5, 4)
+    _, state = m(mx.array([prompt]), _exact_state(m))
+    for t in steps:
+        _, state = m(mx.array([[t]]), state)
+    verify, verified = m(mx.array([draft]), state)
+    state = ks.commit_prefix(verified, accepted)
+    ks.check(state)
+    got = [np.array(verify[0, :accepted])]
+    for t in after:
+        logits, state = m(mx.array([[t]]), state)
+        got.append(np.array(logits[0]))
+    chunks = [prompt, *([t] for t in steps), draft[:accepted] or [], *([t] for t in after)]
+    want = oracle_logits(monkeypatch, "gemma3_text", [c for c in chunks if c])
+    want = want[1 + len(steps) :] if accepted else [np.zeros((0, VOCAB)), *want[1 + len(steps) :]]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
+
+
+def test_ragged_rows_of_windows_roll_back_like_each_row_alone(monkeypatch):
+    """Rows prefilled apart (12 tokens, and 2: fewer than the ring's R), merged,
+    decoded across the wrap, verified 4 and committed ragged (3 and 1), decoded again; then
+    saved, loaded and split: each row reads as the oracle over its own tokens."""
+    _, m = _gemma()
+    prompts, steps = [_ids(6, 12), _ids(7, 2)], [_ids(8, 5), _ids(9, 5)]
+    drafts, after, counts = [_ids(10, 4), _ids(11, 4)], [_ids(12, 3), _ids(13, 3)], [3, 1]
+    state = ks.merge([m(mx.array([p]), _exact_state(m))[1] for p in prompts])
+    got: list[list[np.ndarray]] = [[], []]
+    for j in range(5):
+        logits, state = m(mx.array([[steps[0][j]], [steps[1][j]]]), state)
+        for r in range(2):
+            got[r].append(np.array(logits[r]))
+    _, verified = m(mx.array(drafts), state)
+    state = ks.commit_prefix(verified, counts)
+    ks.check(state)
+    for j in range(3):
+        logits, state = m(mx.array([[after[0][j]], [after[1][j]]]), state)
+        for r in range(2):
+            got[r].append(np.array(logits[r]))
+    for r in range(2):
+        chunks = [prompts[r], *([t] for t in steps[r]), drafts[r][: counts[r]],
+                  *([t] for t in after[r])]  # fmt: skip
+        want = oracle_logits(monkeypatch, "gemma3_text", chunks)
+        want = want[1 : 1 + 5] + want[-3:]
+        for j, (g, w) in enumerate(zip(got[r], want, strict=True)):
+            np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4, err_msg=f"row {r} step {j}")
+        # the state as a file, then the row alone: the next token reads as the oracle's
+        ks.save(f"/tmp/kvstate-ring-{r}.safetensors", state)
+        row = ks.extract(ks.load(f"/tmp/kvstate-ring-{r}.safetensors"), r)
+        logits, _ = m(mx.array([[7]]), row)
+        want_next = oracle_logits(monkeypatch, "gemma3_text", [*chunks, [7]])[-1]
+        np.testing.assert_allclose(np.array(logits[0]), want_next, atol=2e-4, rtol=1e-4)
+
+
+def test_speculation_on_exact_windows_is_the_plain_decode():
+    """generate with a scripted drafter (half its drafts right) over a quantized Gemma-style
+    state with exact rings and tails, batch 1 and a ragged batch: the tokens and
+    log-probabilities of the same state decoded one token at a time, row by row."""
+    from tests.test_quantized_speculative import NEW, QuantizedTarget, plain_decode, speculate
+
+    target = QuantizedTarget(
+        wrap(tiny_model("gemma3_text", head_dim=32)), {**OPTIONS, "exact_latest": R}
+    )
+    prompts = [[3, 17, 42, 99, 7, 250, 31, 8, 1, 2, 60], [5, 6, 7], [9, 8, 7, 6, 5]]
+    plain = [plain_decode(target, p, NEW + 9) for p in prompts]
+    for k in (2, 4):
+        tokens, logprobs, drafted = speculate(target, prompts, [t for t, _ in plain], k)
+        assert drafted > 0
+        for got, lp, (want, want_lp) in zip(tokens, logprobs, plain, strict=True):
+            assert got == want[:NEW]
+            np.testing.assert_allclose(lp, want_lp[:NEW], atol=1e-4)

@@ -68,7 +68,7 @@ def plain_decode(target: QuantizedTarget, prompt: list[int], n: int) -> tuple[li
         logprobs.append(last - mx.logsumexp(last))
         tokens.append(int(last.argmax().item()))
         logits, state = target(mx.array([[tokens[-1]]]), state)
-    assert all(isinstance(p, ks.QuantizedKV) for p in state.layers)
+    assert all(isinstance(p, (ks.QuantizedKV, ks.QuantizedRotatingKV)) for p in state.layers)
     return tokens, np.array(mx.stack(logprobs))
 
 

@@ -10,6 +10,12 @@ right-padded prompts are the packed lane's. A model reads it through its attenti
 to kvstate's `quantized_attention` over the lanes' keys and values as mlx-lm's window cache
 returned them (`instruments.routing`); it has no `bits`, so an attention that was not routed
 fails with a message instead of reading the buffers with the wrong bits.
+
+A state with an exact ring (`exact_latest` R) has a fourth cache, mlx-lm's own window cache of
+R slots over the raw keys and values. Before an update, the masks of "within the latest R"
+come from mlx-lm's `make_mask(N, window_size=R)` on both the packed lane's layout (the keys
+read raw instead) and the ring's (which of its keys each query reads): mlx-lm computes
+window masks narrower than a ring for Gemma's own layers, for one token and for many.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from mlx_lm.models.cache import _BaseCache
 
 from kvstate import QuantizedKV, QuantizedRotatingKV, StateError, quantized_attention
 from kvstate.kinds import replace, trusted
-from kvstate.quantization import codec_of, joined, key_codec, lanes, value_codec, with_pads
+from kvstate.quantization import (
+    attention_with_raw_keys,
+    codec_of,
+    joined,
+    key_codec,
+    lanes,
+    value_codec,
+    with_pads,
+)
 
 from .registry import Quantized, converter_of, register_from, to_cache
 
@@ -31,9 +45,17 @@ class QuantizedRotatingCache(_BaseCache):
 
     def __init__(self, state: QuantizedRotatingKV) -> None:
         self.spec = replace(
-            state, keys=None, values=None, left_padding=None, offsets=None, previous=None
+            state,
+            keys=None,
+            values=None,
+            left_padding=None,
+            offsets=None,
+            previous=None,
+            exact=None,
         )
         self.lanes = [to_cache(w) for w in lanes(state)]
+        self.exact = None if state.exact is None else to_cache(state.exact)
+        self._raw: tuple[Any, Any, Any, Any] | None = None  # keys, values, masks of a forward
 
     # ------------------------------------------------------------------ what a model reads
 
@@ -59,6 +81,12 @@ class QuantizedRotatingCache(_BaseCache):
             as_quantized = trusted(QuantizedKV)(**codec_of(self.spec))
             padded = with_pads(as_quantized, int(keys.shape[-1]), int(values.shape[-1]))
             self.spec = replace(self.spec, key_pad=padded.key_pad, value_pad=padded.value_pad)
+        if self.exact is not None:
+            n, r = int(keys.shape[2]), self.spec.exact_latest
+            read_raw = self.lanes[0].make_mask(n, window_size=r, return_array=True)
+            ring_mask = self.exact.make_mask(n, window_size=r, return_array=True)
+            raw_keys, raw_values = self.exact.update_and_fetch(keys, values)
+            self._raw = (raw_keys, raw_values, read_raw, ring_mask)
         q_keys = key_codec(self.spec).encode(keys)
         q_values = value_codec(self.spec).encode(values)
         out = [
@@ -74,7 +102,21 @@ class QuantizedRotatingCache(_BaseCache):
         view = trusted(QuantizedKV)(
             keys, values, length=int(keys[0].shape[2]), **codec_of(self.spec)
         )
-        return quantized_attention(queries, view, scale=scale, mask=mask)
+        if self._raw is None:
+            return quantized_attention(queries, view, scale=scale, mask=mask)
+        raw_keys, raw_values, read_raw, ring_mask = self._raw
+        if read_raw is None:  # every key of the window is one of the latest R
+            read_raw = mx.ones((view.length,), mx.bool_)
+        return attention_with_raw_keys(
+            queries,
+            view,
+            raw_keys,
+            raw_values,
+            scale=scale,
+            mask=mask,
+            read_raw=read_raw,
+            raw_mask=ring_mask,
+        )
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
         return self.lanes[0].make_mask(*args, **kwargs)
@@ -82,25 +124,33 @@ class QuantizedRotatingCache(_BaseCache):
     # ------------------------------------------------------------------ prompt batches
 
     def prepare(self, **kwargs: Any) -> None:
-        for c in self.lanes:
+        for c in self._all():
             c.prepare(**kwargs)
 
     def finalize(self) -> None:
-        for c in self.lanes:
+        for c in self._all():
             c.finalize()
+
+    def _all(self) -> list[Any]:
+        return self.lanes if self.exact is None else [*self.lanes, self.exact]
 
     # ------------------------------------------------------------------ the rest of mlx-lm's
 
     def read(self, appended: int = 0) -> QuantizedRotatingKV:
         """The QuantizedRotatingKV this cache holds, in fresh arrays, stamped `appended`."""
         windows = [converter_of(c)(c, appended) for c in self.lanes]
-        return joined(codec_of(self.spec), windows)
+        state = joined(codec_of(self.spec), windows)
+        if self.exact is None:
+            return state
+        ring = converter_of(self.exact)(self.exact, appended)
+        return replace(state, exact=ring, exact_latest=self.spec.exact_latest)
 
     def is_trimmable(self) -> bool:
-        return bool(self.lanes[0].is_trimmable())
+        # mlx-lm trims a window only before it wraps: the exact ring of R slots wraps first
+        return all(bool(c.is_trimmable()) for c in self._all())
 
     def trim(self, n: int) -> int:
-        trimmed = [c.trim(n) for c in self.lanes]
+        trimmed = [c.trim(n) for c in self._all()]
         return int(trimmed[0])
 
     def size(self) -> int:
@@ -121,7 +171,7 @@ class QuantizedRotatingCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(int(c.nbytes) for c in self.lanes)
+        return sum(int(c.nbytes) for c in self._all())
 
 
 @register_from(QuantizedRotatingCache)
