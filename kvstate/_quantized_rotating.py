@@ -20,9 +20,10 @@ Attention reads the packed window through kvstate's `quantized_attention` (the a
 With `exact_latest` R > 0 (QuantizedKV's exact tail, for windows) the state also holds
 `exact`: a dense RotatingKV of max_size R, the raw keys and values of the latest R tokens. A
 query reads those from it and the rest of its window quantized (the rule of QuantizedKV's
-tail: key t raw iff t > t_q - R). RotatingKV's own code keeps that ring (multi-token forwards,
-the exact rollback, rows), so every transform runs on it beside the three lanes. Like QuantizedKV it
-keeps no tree path (no `keep_path`: tree forwards refuse quantized caches); verify linearly
+tail: key t raw iff t > t_q - R). RotatingKV's own code keeps that ring (multi-token
+forwards, the exact rollback, rows), so every transform runs on it beside the three lanes.
+
+Like QuantizedKV it keeps no tree path (no `keep_path`: tree forwards refuse quantized caches); verify linearly
 or as a batch of paths.
 """
 
@@ -199,8 +200,8 @@ def _filled_codec(states: Sequence[QuantizedRotatingKV]) -> dict[str, Any]:
 @problems.register
 def _(state: QuantizedRotatingKV, values: bool) -> list[str]:
     found = typed_statics(
-        state, max_size=1, keep=0, offset=0, index=0, appended=0, bools=("rotated",),
-        **CODEC_LOWEST,
+        state, max_size=1, keep=0, offset=0, index=0, appended=0, exact_latest=0,
+        bools=("rotated",), **CODEC_LOWEST,
     )  # fmt: skip
     if found:
         return found
@@ -245,8 +246,6 @@ def _exact_problems(state: QuantizedRotatingKV, values: bool) -> list[str]:
     (keep 0) of the window's rows, heads and head dims (its offsets are its own: a merged or
     ragged ring of R slots keeps other bookkeeping than a window of max_size)."""
     ring, r = state.exact, state.exact_latest
-    if type(r) is not int or r < 0:
-        return [f"exact_latest: must be an int >= 0; got {r!r}"]
     if not r:
         return [] if ring is None else ["exact: only a state with exact_latest > 0 keeps one"]
     if not isinstance(ring, RotatingKV):
@@ -262,14 +261,15 @@ def _exact_problems(state: QuantizedRotatingKV, values: bool) -> list[str]:
     if batch_size_of(ring) != batch_size_of(state):
         found.append(f"exact: {batch_size_of(ring)} rows, the window {batch_size_of(state)}")
     if state.keys is not None and ring.keys is not None and ring.values is not None:
-        want = (int(state.keys[0].shape[1]), *config_dims(state))
+        want = (int(state.keys[0].shape[1]), *_dims(state))
         got = (int(ring.keys.shape[1]), int(ring.keys.shape[3]), int(ring.values.shape[3]))
         if got != want:
             found.append(f"exact: heads and head dims {got}; the window's are {want}")
     return found
 
 
-def config_dims(state: QuantizedRotatingKV) -> tuple[int, int]:
+def _dims(state: QuantizedRotatingKV) -> tuple[int, int]:
+    """The key and value head dims the codecs decode to."""
     assert state.keys is not None and state.values is not None
     return key_codec(state).dim(state.keys), value_codec(state).dim(state.values)
 

@@ -373,3 +373,25 @@ def test_speculation_on_exact_windows_is_the_plain_decode():
         for got, lp, (want, want_lp) in zip(tokens, logprobs, plain, strict=True):
             assert got == want[:NEW]
             np.testing.assert_allclose(lp, want_lp[:NEW], atol=1e-4)
+
+
+def test_window_files_written_before_the_ring_load_without_one(tmp_path):
+    import hashlib
+    import json
+
+    _, m = _gemma()
+    _, state = m(mx.array([PROMPT]), ks.quantize(m.init_state(), **OPTIONS))
+    path = str(tmp_path / "old-window.safetensors")
+    ks.save(path, state)
+    tensors, header = mx.load(path, return_metadata=True)
+    doc = json.loads(header["kvstate.body"])
+    windows = [n for n in doc["tree"]["children"]["layers"]["tuple"] if "exact" in n["children"]]
+    assert len(windows) == 2
+    for node in windows:
+        for n in (node, node["children"]["previous"]):
+            if n is not None:
+                del n["statics"]["exact_latest"], n["children"]["exact"]
+    header["kvstate.body"] = json.dumps(doc)
+    header["kvstate.sha256"] = hashlib.sha256(header["kvstate.body"].encode()).hexdigest()
+    mx.save_safetensors(path, tensors, header)
+    ks.testing.assert_states_equal(ks.load(path), state)
