@@ -196,3 +196,31 @@ class CountingModel:
 
     def init_state(self, *args: Any) -> Any:
         return self.wrapped.init_state(*args)
+
+
+def two_rows_through_a_ragged_commit(
+    m: Any,
+    state: Any,
+    steps: list[list[int]],
+    drafts: list[list[int]],
+    counts: list[int],
+    after: list[list[int]],
+) -> tuple[list[list[np.ndarray]], Any]:
+    """A two-row `state` decodes `steps` (one token a row per step), verifies `drafts` and
+    keeps `counts` of them per row (`commit_prefix`, checked), then decodes `after`: each
+    row's logits (1, V) of every step, and the final state."""
+    got: list[list[np.ndarray]] = [[], []]
+
+    def step(tokens: tuple[int, int]) -> None:
+        nonlocal state
+        logits, state = m(mx.array([[tokens[0]], [tokens[1]]]), state)
+        for r in range(2):
+            got[r].append(np.array(logits[r]))
+
+    for pair in zip(*steps, strict=True):
+        step(pair)
+    _, verified = m(mx.array(drafts), state)
+    state = ks.check(ks.commit_prefix(verified, counts))
+    for pair in zip(*after, strict=True):
+        step(pair)
+    return got, state

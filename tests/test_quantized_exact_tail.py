@@ -23,6 +23,7 @@ from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import VOCAB, tiny_model
 from kvstate.quantization import Codec, key_codec, rotation_numpy, value_codec
 
+from .helpers import two_rows_through_a_ragged_commit
 from .test_quantized_options import f64
 
 
@@ -329,18 +330,7 @@ def test_ragged_rows_of_windows_roll_back_like_each_row_alone(monkeypatch):
     prompts, steps = [_ids(6, 12), _ids(7, 2)], [_ids(8, 5), _ids(9, 5)]
     drafts, after, counts = [_ids(10, 4), _ids(11, 4)], [_ids(12, 3), _ids(13, 3)], [3, 1]
     state = ks.merge([m(mx.array([p]), _exact_state(m))[1] for p in prompts])
-    got: list[list[np.ndarray]] = [[], []]
-    for j in range(5):
-        logits, state = m(mx.array([[steps[0][j]], [steps[1][j]]]), state)
-        for r in range(2):
-            got[r].append(np.array(logits[r]))
-    _, verified = m(mx.array(drafts), state)
-    state = ks.commit_prefix(verified, counts)
-    ks.check(state)
-    for j in range(3):
-        logits, state = m(mx.array([[after[0][j]], [after[1][j]]]), state)
-        for r in range(2):
-            got[r].append(np.array(logits[r]))
+    got, state = two_rows_through_a_ragged_commit(m, state, steps, drafts, counts, after)
     for r in range(2):
         chunks = [prompts[r], *([t] for t in steps[r]), drafts[r][: counts[r]],
                   *([t] for t in after[r])]  # fmt: skip
