@@ -42,7 +42,7 @@ def quantize(
     SmolLM2, BENCHMARKS.md): the state's last R + appended positions start it. A sliding
     window keeps its latest R in a dense ring of R slots beside the quantized one
     (`QuantizedRotatingKV.exact`); it takes one only before its first forward (an empty
-    window: as `generate` and the engine quantize), a filled one is refused.
+    window, as the engine's `kv_bits` mapping quantizes), a filled one is refused.
 
     A RotatingKV (sliding window) becomes a QuantizedRotatingKV with the same codec (mlx-lm
     has no quantized window). A ModelState or ListState is mapped over: its DenseKV and

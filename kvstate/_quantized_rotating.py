@@ -389,7 +389,7 @@ def quantize_window(state: RotatingKV, spec: Any) -> QuantizedRotatingKV:
         not exact_latest or (state.keys is None and state.previous is None),
         NotSupportedError,
         f"quantize: exact_latest={exact_latest} on a sliding window that already holds tokens; "
-        "quantize it before its first forward (an empty state, as generate and the engine do), "
+        "quantize it before its first forward (an empty state, as the engine's kv_bits does), "
         "or with exact_latest=0",
     )
     if state.keys is not None and state.values is not None:
