@@ -179,10 +179,12 @@ def test_a_wrapped_model_reads_like_mlx_lm_under_the_rule(monkeypatch, name, siz
     assert np.abs(np.array(logits[0, -1]) - expected[-1][-1]).max() > 1e-3
 
 
-def test_a_right_padded_prompt_batch_reads_each_row_like_the_row_alone():
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_a_right_padded_prompt_batch_reads_each_row_like_the_row_alone(name):
     """Rows of 14, 9 and 3 tokens prefilled as one right-padded batch (mlx-lm's prepare /
-    finalize roll each row's tail with its buffers), then three decode steps."""
-    model = tiny_model("llama")
+    finalize roll each row's tail with its buffers, and each window's ring), then three
+    decode steps."""
+    model = tiny_model(name)
     m = wrap(model)
     prompts = [PROMPT, PROMPT[:9], PROMPT[5:8]]
     width = max(len(p) for p in prompts)
