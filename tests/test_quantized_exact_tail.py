@@ -324,7 +324,7 @@ def test_a_verify_across_the_wrap_rolls_the_ring_back_exactly(monkeypatch, accep
         np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
 
 
-def test_ragged_rows_of_windows_roll_back_like_each_row_alone(monkeypatch):
+def test_ragged_rows_of_windows_roll_back_like_each_row_alone(monkeypatch, tmp_path):
     """Rows prefilled apart (12 tokens, and 2: fewer than the ring's R), merged,
     decoded across the wrap, verified 4 and committed ragged (3 and 1), decoded again; then
     saved, loaded and split: each row reads as the oracle over its own tokens."""
@@ -341,8 +341,8 @@ def test_ragged_rows_of_windows_roll_back_like_each_row_alone(monkeypatch):
         for j, (g, w) in enumerate(zip(got[r], want, strict=True)):
             np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4, err_msg=f"row {r} step {j}")
         # the state as a file, then the row alone: the next token reads as the oracle's
-        ks.save(f"/tmp/kvstate-ring-{r}.safetensors", state)
-        row = ks.extract(ks.load(f"/tmp/kvstate-ring-{r}.safetensors"), r)
+        ks.save(tmp_path / f"ring-{r}.safetensors", state)
+        row = ks.extract(ks.load(tmp_path / f"ring-{r}.safetensors"), r)
         logits, _ = m(mx.array([[7]]), row)
         want_next = oracle_logits(monkeypatch, "gemma3_text", [*chunks, [7]])[-1]
         np.testing.assert_allclose(np.array(logits[0]), want_next, atol=2e-4, rtol=1e-4)
