@@ -299,7 +299,7 @@ def _(state: QuantizedRotatingKV) -> dict[str, Any]:
     k, v = state.keys, state.values
     if k is None or v is None:
         return kv_config("QuantizedRotatingKV", max_size=state.max_size, keep=state.keep, **statics)
-    dims = (key_codec(state).dim(k), value_codec(state).dim(v))
+    dims = _dims(state)
     return kv_config(
         "QuantizedRotatingKV",
         k[1].dtype,
