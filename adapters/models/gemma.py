@@ -84,6 +84,25 @@ def gemma3_files(
 ) -> tuple[dict[str, np.ndarray], dict[str, Any], Any]:
     """(float32 weights by mlx-lm name, mlx-lm config, transformers tokenizer) of a gemma3
     GGUF file."""
+    weights, config, value = _weights_and_metadata(path, progress)
+    progress("building the tokenizer")
+    return weights, config, _tokenizer(value)
+
+
+def gemma3_weights(
+    path: Path, progress: Callable[[str], None]
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """`gemma3_files` without the tokenizer (which needs transformers' GGUF code): for a
+    machine that gets the tokenizer files from elsewhere."""
+    weights, config, _ = _weights_and_metadata(path, progress)
+    return weights, config
+
+
+def _weights_and_metadata(
+    path: Path, progress: Callable[[str], None]
+) -> tuple[dict[str, np.ndarray], dict[str, Any], Callable[..., Any]]:
+    """(float32 weights, mlx-lm config, the metadata's `value(key, default)`) of a gemma3
+    GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -132,8 +151,7 @@ def gemma3_files(
         "eos_token_id": [eos, END_OF_TURN],
         "tie_word_embeddings": True,
     }
-    progress("building the tokenizer")
-    return weights, config, _tokenizer(value)
+    return weights, config, value
 
 
 def _tokenizer(value: Callable[..., Any]) -> Any:
