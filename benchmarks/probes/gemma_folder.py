@@ -42,7 +42,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(mx, args.dtype)
     mx.save_safetensors(
-        str(args.out / "model.safetensors"), {k: mx.array(v).astype(dtype) for k, v in weights.items()}
+        str(args.out / "model.safetensors"),
+        {k: mx.array(v).astype(dtype) for k, v in weights.items()},
     )
     for name in COPIED:
         if (args.tokenizer_folder / name).is_file():

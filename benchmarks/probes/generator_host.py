@@ -20,14 +20,15 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import _on_path  # noqa: F401  (benchmarks/ on the path, for real_speed)
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 from real_speed import encoded, prompt_texts, target_model
 
 from kvstate.adapters import wrap
 from kvstate.speculative import generate
-from mlx_lm.generate import generate_step
 
 
 def per_token(tokens: Callable[[], Iterable[int]]) -> float:
@@ -52,6 +53,36 @@ def profile(name: str, tokens: Callable[[], Iterable[int]], top: int) -> None:
     print("\n".join(lines[3:]), flush=True)
 
 
+def measure(name: str, kind: str, model: Any, target: Any, prompt: list[int], args: Any) -> None:
+    n = args.tokens
+
+    def theirs() -> Iterable[int]:
+        return (int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n))
+
+    def ours() -> Iterable[int]:
+        return (t.token for r in generate(target, [prompt], max_tokens=n) for t in r)
+
+    contenders = {"generate_step": theirs, "kvstate plain": ours}
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for f in contenders.values():  # warm-up: compiles, caches
+        per_token(f)
+    for rep in range(args.reps):
+        order = list(contenders)[rep % 2 :] + list(contenders)[: rep % 2]
+        for k in order:
+            times[k].append(per_token(contenders[k]))
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    ratios = [a / b for a, b in zip(times["generate_step"], times["kvstate plain"], strict=True)]
+    print(
+        f"{name} {kind} ({len(prompt)} prompt tokens, {n} tokens): generate_step "
+        f"{ms['generate_step']:.3f} ms a token, kvstate plain {ms['kvstate plain']:.3f}; "
+        f"kvstate tokens/s over generate_step {statistics.median(ratios):.3f} "
+        f"[{min(ratios):.3f}, {max(ratios):.3f}]",
+        flush=True,
+    )
+    for k, f in contenders.items():
+        profile(f"{name} {kind} {k}", f, args.top)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
@@ -66,33 +97,7 @@ def main() -> None:
         target = wrap(model)
         for kind in args.kinds:
             prompt = encoded(tokenizer, kind, prompt_texts(kind, 1)[0])
-            n = args.tokens
-
-            def theirs() -> Iterable[int]:
-                return (int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n))
-
-            def ours() -> Iterable[int]:
-                return (t.token for r in generate(target, [prompt], max_tokens=n) for t in r)
-
-            contenders = {"generate_step": theirs, "kvstate plain": ours}
-            times: dict[str, list[float]] = {k: [] for k in contenders}
-            for f in contenders.values():  # warm-up: compiles, caches
-                per_token(f)
-            for rep in range(args.reps):
-                order = list(contenders)[rep % 2 :] + list(contenders)[: rep % 2]
-                for k in order:
-                    times[k].append(per_token(contenders[k]))
-            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            ratios = [a / b for a, b in zip(times["generate_step"], times["kvstate plain"])]
-            print(
-                f"{name} {kind} ({len(prompt)} prompt tokens, {n} tokens): generate_step "
-                f"{ms['generate_step']:.3f} ms a token, kvstate plain {ms['kvstate plain']:.3f}; "
-                f"kvstate tokens/s over generate_step {statistics.median(ratios):.3f} "
-                f"[{min(ratios):.3f}, {max(ratios):.3f}]",
-                flush=True,
-            )
-            for k, f in contenders.items():
-                profile(f"{name} {kind} {k}", f, args.top)
+            measure(name, kind, model, target, prompt, args)
 
 
 if __name__ == "__main__":
