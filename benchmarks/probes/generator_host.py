@@ -6,6 +6,7 @@ device's time hides once the context is long).
 For each model: per-token time of `generate_step` and of `generate(target, [prompt])` (no
 drafter), interleaved repetitions, medians; then one run of each under cProfile, its host
 functions by own time (the read-back that waits for the device shows as `tolist` / `item`).
+`--self-draft`: also one profiled run with the 4-bit self-draft (`ModelDrafter`).
 
     PYTHONPATH=/tmp/site:/tmp/src python3 benchmarks/probes/generator_host.py --models gemma3-270m
     .venv/bin/python benchmarks/probes/generator_host.py --models smollm2-135m --tokens 16 --reps 1
@@ -27,8 +28,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from real_speed import encoded, prompt_texts, target_model
 
-from kvstate.adapters import wrap
-from kvstate.speculative import generate
+from kvstate.adapters import quantized_draft, wrap
+from kvstate.speculative import ModelDrafter, generate
 
 
 def per_token(tokens: Callable[[], Iterable[int]]) -> float:
@@ -81,6 +82,16 @@ def measure(name: str, kind: str, model: Any, target: Any, prompt: list[int], ar
     )
     for k, f in contenders.items():
         profile(f"{name} {kind} {k}", f, args.top)
+    if args.self_draft:  # the 4-bit self-draft, profiled only (real_speed.py times it)
+        drafter = wrap(quantized_draft(model, bits=4))
+
+        def drafted() -> Iterable[int]:
+            rounds = generate(target, [prompt], ModelDrafter(drafter), max_tokens=n)
+            return (t.token for r in rounds for t in r)
+
+        for _ in range(2):
+            per_token(drafted)
+        profile(f"{name} {kind} kvstate 4-bit self-draft", drafted, args.top)
 
 
 def main() -> None:
@@ -91,6 +102,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--self-draft", action="store_true",
+                        help="also profile generate with the 4-bit self-draft")  # fmt: skip
     args = parser.parse_args()
     for name in args.models:
         model, tokenizer = target_model(name, args.dtype)

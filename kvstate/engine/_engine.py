@@ -52,6 +52,7 @@ from ..distributed import agree, group_of
 from ..kinds import config_mismatches, config_of, host_ints
 from ..speculative import CostAwarePolicy, Target, generation_keys, round_plan
 from ..speculative._policy import check_policy_arguments
+from ..speculative._position_keys import position_keys, rows_of
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
 from ._params import Output, Request, RequestParams, checked_params, checked_prompt
@@ -95,8 +96,9 @@ class Engine:
 
     Exact: a greedy request's tokens are the target's argmax continuation of its prompt, a
     sampled one's are distributed as the target alone samples them (each request draws with
-    its own key, split from its seed), whatever else runs in the batch, whatever the prefix
-    cache served. Not thread-safe: drive it from one thread.
+    its own key, from its seed, each token with its key of its position), whatever else runs
+    in the batch, whatever the prefix cache served; without a drafter or with the n-gram
+    drafter they are the tokens of `generate([prompt], sampler=..., seed=its seed)`. Not thread-safe: drive it from one thread.
     """
 
     def __init__(
@@ -402,13 +404,16 @@ class Engine:
         assert logits is not None
         params = request.params
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
-        key, _ = generation_keys(seed)
+        # Row 0's key of `generate([prompt], seed=seed)`: a request alone draws its tokens.
+        key = rows_of(generation_keys(seed)[0], 1)
         sampler = params.sampler
         if sampler.greedy:
             token = host_ints(logits.argmax(-1))[0]
         else:
-            key, sub = mx.random.split(key)
-            token = host_ints(sampler.sample(sampler.probs(logits), sub))[0]
+            token = host_ints(
+                sampler.sample(sampler.probs(logits), position_keys(key, [0], 1)[:, 0])
+            )[0]
+        key = key[0]
         tokens, reason = cut([token], params.max_tokens, params.stop_ids)
         logprobs = chosen_logprobs(logits[:, None], {0: tokens})[0] if params.logprobs else None
         out.emit(request, tokens, logprobs, reason)

@@ -19,7 +19,7 @@ from ..speculative import (
     Sampler,
     Target,
     batch_round,
-    split_row_keys,
+    position_keys,
 )
 from ._drafting import Drafting
 from ._rows import Batch, Row
@@ -72,7 +72,7 @@ def run_round(
     if policy is not None and asked == 0:
         policy.plain(len(rows))
     samplers = [r.request.params.sampler for r in rows]
-    sampler, key = _round_sampler(batch, samplers)
+    sampler, key = _round_sampler(batch, samplers, 1 + asked)
     fixed = FixedDepth() if policy is None else None
     drafter = drafting.drafter if drafting is not None and asked > 0 else None
     batch.state, r = batch_round(
@@ -93,13 +93,17 @@ def run_round(
     return _emitted(rows, r), asked
 
 
-def _round_sampler(batch: Batch, samplers: list[Sampler]) -> tuple[Sampler, mx.array | None]:
+def _round_sampler(
+    batch: Batch, samplers: list[Sampler], width: int
+) -> tuple[Sampler, mx.array | None]:
     """The round's sampler (greedy when every row is; one Sampler when the rows share it;
-    else a RowSampler) and key (the rows' own keys, split; None when greedy)."""
+    else a RowSampler) and keys (each row's keys of its next `width` positions, from its
+    request's key: a request's tokens are then its plain decode's, whatever the drafts and
+    the batch; None when greedy)."""
     if all(s.greedy for s in samplers):
         return Sampler(), None
     assert batch.keys is not None
-    batch.keys, key = split_row_keys(batch.keys)
+    key = position_keys(batch.keys, [len(row.request.tokens) for row in batch.rows], width)
     first = samplers[0]
     if all(s == first for s in samplers):
         return first, key

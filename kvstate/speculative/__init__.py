@@ -70,6 +70,7 @@ from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
 from ._paths import PathVerdict, verify_paths
 from ._policy import CostAwarePolicy, CostModel, Decision, FixedCost
+from ._position_keys import position_keys
 from ._round import Round, RoundPlan
 from ._row_keys import row_keys, split_row_keys
 from ._row_sampler import RowSampler
@@ -111,6 +112,7 @@ __all__ = [
     "generate",
     "generation_keys",
     "round_plan",
+    "position_keys",
     "row_keys",
     "speculative_generate_step",
     "split_row_keys",

@@ -82,8 +82,11 @@ def batch_round(
     after its `last` token (at most `asked`, this round's depth; `k` the most any round
     asks) verified in one forward, and each row's accepted prefix committed (ragged); else,
     or when nothing was drafted, a plain step (one token per row). `sampler`: a `Sampler`
-    or a `RowSampler` (one per row); `key`: the round's key, one `mx.random.key` or row keys
-    (B, 2) (None when greedy). Returns `(state, Round)`; the caller passes `state` as its
+    or a `RowSampler` (one per row); `key`: the round's key (None when greedy): position keys
+    (B, >= 1 + asked, 2), `position_keys(row_keys, emitted, 1 + asked)`, draw each row's
+    token at position t with its key of t (point-mass drafts then give the tokens of plain
+    decoding, see `position_keys`); one `mx.random.key` or row keys (B, 2) draw as the
+    round's own noise. Returns `(state, Round)`; the caller passes `state` as its
     only reference (MLX then writes the verify into its buffers) and tells the drafter
     what was kept (`drafter.accept(r.fed, r.kept)`).
 

@@ -35,11 +35,12 @@ from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
 from ._linear_round import Stops, linear_round, plain_step
 from ._plain import decode
 from ._policy import CostAwarePolicy, check_policy_arguments
+from ._position_keys import TREE, fold_in, position_keys, rows_of
 from ._prefill import PREFILL_STEP, prefill
 from ._processors import Processor, Processors
 from ._replay import commit_may_be_refused
 from ._round import Round, RoundPlan
-from ._sampling import Sampler, draw, generation_keys, round_key
+from ._sampling import Sampler, generation_keys, pick
 from ._target import Target
 from ._tree_round import TREE_MODES, tree_round
 from ._values import Made
@@ -88,9 +89,13 @@ def generate(
     tree, to maximise the expected tokens per unit of time: from each row's recent
     acceptance, the drafter's confidence (`NGramDrafter`'s match lengths) and the cost of a
     verify relative to a plain step, timed online. It only chooses how much to propose, so
-    greedy output is unchanged and sampled tokens keep their distribution; but which tokens
-    a seed gives depends on those choices, and timings vary, so for sampled tokens a seed
-    reproduces pass `adaptive=False` or a policy over a `FixedCost`. Its estimates: `Generation.policy` (`acceptance`,
+    greedy output is unchanged and sampled tokens keep their distribution. With point-mass
+    drafts (`NGramDrafter`, a drafter proposing ids without probabilities) a seed gives
+    the tokens of the same generation without a drafter, whatever the policy chose (each
+    token is drawn with its row's key of its position: `position_keys`); with a draft
+    model's distributions which tokens a seed gives depends on those choices, and timings
+    vary, so for those a seed reproduces under `adaptive=False` or a policy over a
+    `FixedCost`. Its estimates: `Generation.policy` (`acceptance`,
     `cost_ratio(w)`, `last`). `adaptive=False`: every round asks for `k` drafts.
 
     `tree`: verify several candidate continuations per round, from the drafter's
@@ -215,6 +220,7 @@ def _rounds(
     if extras.states is not None and drafter is not None:
         _check_drafter_history(drafter, hidden, extras)
     key, drafter_key = generation_keys(seed)  # never the same noise for target and drafter
+    row_keys = None if sampler.greedy else rows_of(key, len(prompts))  # see _position_keys
     group = abilities.group  # a distributed model's ranks must decide alike; None: one process
     quantization = None if extras.kv is None else KVQuantization(*extras.kv)
     if finals is not None:
@@ -241,7 +247,7 @@ def _rounds(
         logits = processors.first(logits)
     if drafter is None:
         yield from decode(target, logits, state, max_tokens=max_tokens, sampler=sampler,
-                          eos=eos, key=key, group=group, processors=processors,
+                          eos=eos, keys=row_keys, group=group, processors=processors,
                           quantization=quantization, finals=finals)  # fmt: skip
         return
     vocab = abilities.vocab_size or logits.shape[-1]
@@ -254,10 +260,10 @@ def _rounds(
     # and whether a commit can be refused (pooled windows: each verify then keeps the state
     # it started from, to re-run the kept tokens from).
     plan = RoundPlan(capabilities(state).needs_checkpoints, commit_may_be_refused(state), hidden)
-    key, last = _sample(sampler, logits, key)
+    last = host_ints(pick(sampler, logits, None if row_keys is None else fold_in(row_keys, 0)))
     if group is not None:
         agree(last, group, what="the first tokens")
-    live = _Rows(state, last)
+    live = _Rows(state, last, row_keys)
     del state  # `live` holds it: a round takes it over
     logprobs = logprobs_of(logits)
     out = [
@@ -304,20 +310,19 @@ def _rounds(
                 candidates = policy.tree(candidates, room[0])
         elif policy is not None:
             policy.plain(len(live.rows))
-        key, sub = round_key(sampler, key)
         r: Round
         if candidates is not None and candidates.tokens:
             assert tree is not None
-            live.state, r = tree_round(
-                tree, target, live.take(), live.last[0], candidates, sampler, sub, vocab
-            )
+            live.state, r = tree_round(tree, target, live.take(), live.last[0], candidates,
+                                       sampler, live.tree_key(), vocab)  # fmt: skip
         elif proposal is None or max(proposal.counts) == 0:
             live.state, r = plain_step(
-                target, live.take(), live.last, sampler, sub, hidden, process
+                target, live.take(), live.last, sampler, live.keys_at(1), hidden, process
             )
         else:
+            keys = live.keys_at(1 + max(proposal.counts))
             live.state, r = linear_round(target, live.take(), live.last, proposal, sampler,
-                                         sub, plan, vocab, Stops(room, eos), process)  # fmt: skip
+                                         keys, plan, vocab, Stops(room, eos), process)  # fmt: skip
         if quantization is not None:
             live.state = quantization.after(live.state)
         counts.drafted += len(candidates.tokens) if candidates is not None else _drafted(proposal)
@@ -412,13 +417,24 @@ def pruned_at_ends(tree: DraftTree, eos: Sequence[int]) -> DraftTree:
 
 class _Rows:
     """The rows still generating: the target's state over them and, per row, its index in
-    the prompts (`rows`), its last token (in no state yet) and its tokens out so far."""
+    the prompts (`rows`), its last token (in no state yet), its tokens out so far and its
+    key (`keys` (B, 2); None when greedy)."""
 
-    def __init__(self, state: Any, last: list[int]) -> None:
+    def __init__(self, state: Any, last: list[int], keys: mx.array | None) -> None:
         self.state: Any = state
         self.rows = list(range(len(last)))
         self.last = last
         self.emitted = [0] * len(last)
+        self.keys = keys
+
+    def keys_at(self, width: int) -> mx.array | None:
+        """(B, width, 2) the keys of each row's next `width` positions (None when greedy)."""
+        return None if self.keys is None else position_keys(self.keys, self.emitted, width)
+
+    def tree_key(self) -> mx.array | None:
+        """A tree round's one key (its one row's), from its first position's key."""
+        keys = self.keys_at(1)
+        return None if keys is None else fold_in(keys[0, 0], TREE)
 
     def record(self, finals: Finals, done: list[bool], out: list[Token]) -> None:
         """The final states of the rows `done` ends, into `finals`: each holds its tokens,
@@ -448,6 +464,8 @@ class _Rows:
         self.rows = [self.rows[i] for i in alive]
         self.last = [self.last[i] for i in alive]
         self.emitted = [self.emitted[i] for i in alive]
+        if self.keys is not None:
+            self.keys = self.keys[mx.array(alive)]
 
     def take(self) -> Any:
         """The state, handed over to a round: with no other reference to it, MLX writes the
@@ -490,10 +508,3 @@ def _check_tree_mode(
             "generate: tree verification does not feed hidden states; an MTP-style drafter "
             "drafts linearly (drop tree=)"
         )
-
-
-def _sample(sampler: Sampler, logits: mx.array, key: mx.array) -> tuple[mx.array, list[int]]:
-    """One token per row of `logits` (B, vocab), read to the host (greedy: the argmax, with
-    no distribution built and no key used)."""
-    key, picked = draw(sampler, logits, key)
-    return key, host_ints(picked)

@@ -13,6 +13,7 @@ from .. import CommitError, StateError, commit_prefix
 from ..kinds import host_ints
 from ._checks import Drafts, marked_message, refused
 from ._emit import kept_drafts
+from ._position_keys import is_position_keys
 from ._replay import run_kept
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, greedy_picks, pick, sampled_verdict
@@ -43,11 +44,15 @@ def plain_step(
     process: Process | None = None,
 ) -> tuple[Any, Round]:
     """One forward of each row's `last` token from `state` and the target's next token per
-    row (drawn with `key`; None when greedy): a round with nothing drafted."""
+    row (drawn with `key`: position keys (B, >= 1, 2) of each row's next positions,
+    `_position_keys`, or one key or row keys; None when greedy): a round with nothing
+    drafted."""
     fed = mx.array(last, mx.int32)[:, None]
     logits, state, *seen = target(fed, state, **({"hidden": True} if hidden else {}))
     if process is not None:
         logits = process(logits, fed)
+    if key is not None and is_position_keys(key):
+        key = key[:, 0]
     nxt = host_ints(pick(sampler, logits[:, -1], key))
     rows = len(last)
     return state, Round(fed, logits, [0] * rows, nxt, [[] for _ in range(rows)], _one(seen), 0)
@@ -68,7 +73,8 @@ def linear_round(
     """Verify `proposal` (drafted[b] = `proposal.counts[b]` drafts after row b's `last`
     token, at least one row with some; checked by `_checks.checked_proposal`) from `state`
     in one forward of 1 + span tokens, accept each row's longest agreeing prefix (greedy) or
-    by exact speculative sampling (drawing with `key`; None when greedy), and commit each
+    by exact speculative sampling (drawing with `key`, position keys (B, 1 + span, 2) of
+    each row's next positions, `_position_keys`; None when greedy), and commit each
     row's kept tokens. A draft id outside the target's `vocab` (marked on the device) is
     refused after the round's one read, before anything is committed.
 

@@ -15,8 +15,9 @@ from ..kinds import host_ints
 from ._emit import Token, logprobs_of
 from ._generation import Finals, View
 from ._kv_quantization import KVQuantization
+from ._position_keys import fold_in
 from ._processors import Processors
-from ._sampling import Sampler, draw
+from ._sampling import Sampler, pick
 from ._target import Target
 
 
@@ -28,7 +29,7 @@ def decode(
     max_tokens: int,
     sampler: Sampler,
     eos: Sequence[int],
-    key: mx.array,
+    keys: mx.array | None,
     group: Any,
     processors: Processors | None = None,
     quantization: KVQuantization | None = None,
@@ -36,10 +37,11 @@ def decode(
 ) -> Iterator[list[Token]]:
     """`generate` without a drafter, after the prefill (`first`: its last logits (B, vocab),
     processed; `state`: the batched state): one token per live row each round, the same
-    tokens (and the same draws of `key`) as one synchronous step a round would give.
+    tokens as one synchronous step a round would give; row b's token at position t drawn
+    with `fold_in(keys[b], t)` (`_position_keys`; `keys` None when greedy).
     `max_tokens` >= 1. `processors` / `quantization`: applied after every step's forward;
     `finals`: each row's final state is recorded there as it ends."""
-    key, y = draw(sampler, first, key)
+    y = pick(sampler, first, _at(keys, 0))
     logprobs = logprobs_of(first)
     mx.async_eval(y, logprobs)
     rows = list(range(first.shape[0]))
@@ -53,7 +55,7 @@ def decode(
             last = logits[:, -1]
             if processors is not None:
                 last = processors.step(last, y)
-            key, y_next = draw(sampler, last, key)
+            y_next = pick(sampler, last, _at(keys, emitted + 1))
             logprobs_next = logprobs_of(last)
             mx.async_eval(y_next, logprobs_next)
         tokens = host_ints(y)
@@ -80,10 +82,16 @@ def decode(
                 finals.finish(state, ended, [rows[i] for i in ended], [None] * len(ended))
             keep = mx.array(alive)
             state, y_next, logprobs_next = filter(state, alive), y_next[keep], logprobs_next[keep]
+            keys = None if keys is None else keys[keep]
             rows = [rows[i] for i in alive]
             if processors is not None:
                 processors.keep(alive)
         y, logprobs = y_next, logprobs_next
+
+
+def _at(keys: mx.array | None, position: int) -> mx.array | None:
+    """The rows' keys (B, 2) of `position` (None when greedy)."""
+    return None if keys is None else fold_in(keys, position)
 
 
 def _fixed(state: Any, rows: list[int], pending: list[int | None]) -> View:

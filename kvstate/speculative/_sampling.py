@@ -11,18 +11,23 @@ is accepted iff it is the target's argmax; it uses no key.
 
 Keys: exact for every seed. A generation's randomness comes from its seed alone, and no two
 draws share a key. `generation_keys(seed)` splits `mx.random.key(seed)` into the target's key
-and the drafter's key. The target's draws (the first token, then each round's acceptance
-uniforms and next tokens) take successive splits of the target's key; the drafter is handed
+and the drafter's key. Inside `generate` and the engine the target draws with position keys
+(`_position_keys`): row b's token at position t with `fold_in(fold_in(target key, b), t)`,
+its acceptance uniform there from a stream of that key, and point-mass drafts are accepted by
+the coupled rule (the draft is accepted iff it equals the target's own draw at its position),
+so the tokens are the plain decode's whatever the rounds were. Called by hand (`accept` with
+one key), the target's draws take successive splits of its key; the drafter is handed
 its key in `Drafter.start(prompts, key=...)` and splits it for each of its own draws (every
 draft step, a tree's branches). Inside one draw each row of the batch gets its own noise (the
 key covers the whole (B, ...) array), so rows are independent too, in every mode (linear,
 tree, paths, MTP heads, n-gram drafts, ragged batches). A drafter's own `seed=` applies only
 when it is started without a key (driven by hand): inside `generate` neither it nor any choice
 of the generator's seed can make a draft reuse the noise of the token it is checked against.
-The same `generate(..., seed=s)` call gives the same tokens when the rounds' draft counts are
-the same (fixed `k`, or a policy over a `FixedCost`: the default policy times its rounds, and
-another count gives other, equally distributed, tokens); greedy output does not depend on the
-seed or the counts at all. A draw may also take row keys, (B, 2), one key per row (`_row_keys`): a
+The same `generate(..., seed=s)` call gives the same tokens: with point-mass drafts (n-gram)
+those of the decode without a drafter, whatever the draft counts; with a draft model's
+distributions when the rounds' draft counts are the same (fixed `k`, or a policy over a
+`FixedCost`: the default policy times its rounds, and another count gives other, equally
+distributed, tokens); greedy output does not depend on the seed or the counts at all. A draw may also take row keys, (B, 2), one key per row (`_row_keys`): a
 serving engine's rows are requests with seeds of their own, and row b's noise is then a
 function of its key alone.
 """
@@ -38,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ShapeError, StateError, TokenError
+from ._position_keys import UNIFORM, categorical_at, fold_in, is_position_keys, uniform_at
 from ._row_keys import categorical, checked_key, split_pair, uniform
 from ._values import (
     DRAFT_ID,
@@ -263,7 +269,10 @@ def accept_columns(
     vocab = target.shape[-1]
     width = vocab if draft_probs is None else draft_probs.shape[-1]
     counted = mx.arange(span)[None] < mx.array(counts)[:, None]
-    keys = split_pair(key) if key is not None else (None, None)
+    positional = key is not None and is_position_keys(key)
+    if positional and draft_probs is None:
+        return _coupled_columns(target, drafts, counted, vocab, cast(mx.array, key))
+    keys = split_pair(key) if key is not None and not positional else (None, None)
     # Ids are compared in their own dtype (an int64 id past int32 must not wrap into range)
     # and gathered only once clamped: MLX's gathers do not check bounds.
     invalid = (drafts < 0) | (drafts >= width)
@@ -280,7 +289,10 @@ def accept_columns(
         q_draft = mx.take_along_axis(draft_probs, q_ids[..., None], axis=-1)[..., 0]
         if not made:
             marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
-    u = uniform(p_draft.shape, keys[0])
+    if positional:
+        u = uniform_at(fold_in(cast(mx.array, key)[:, :span], UNIFORM))
+    else:
+        u = uniform(p_draft.shape, keys[0])
     ok = (u * q_draft < p_draft) & counted  # u < p / q, without dividing by a zero q
     accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
     rejected = accepted < mx.array(counts)
@@ -300,10 +312,36 @@ def accept_columns(
     use_residual = rejected[:, None] & (mass > 0)
     final = mx.where(use_residual, residual / mx.where(mass > 0, mass, 1), p)
     marks = marks + TARGET_NAN * mx.isnan(final).any(-1).astype(mx.int32)
-    next_tokens = draw_from(sampler, final, keys[1])
-    return mx.concatenate([accepted[:, None], next_tokens[:, None], marks[:, None]], axis=1).astype(
-        mx.int32
-    )
+    if positional:  # the position of each row's next token
+        at_key = mx.take_along_axis(cast(mx.array, key), accepted[:, None, None], axis=1)[:, 0]
+        next_tokens = draw_from(sampler, final, at_key)
+    else:
+        next_tokens = draw_from(sampler, final, keys[1])
+    return _columns(accepted, next_tokens, marks)
+
+
+def _coupled_columns(
+    target: mx.array, drafts: mx.array, counted: mx.array, vocab: int, keys: mx.array
+) -> mx.array:
+    """`accept_columns` for point-mass drafts and position keys (B, span + 1, 2): the coupled
+    rule (`_position_keys`). x_j is the target's own draw at position j with its key; row b
+    accepts its drafts while they equal x_j and then emits x at its first disagreement (or
+    after its last draft): P(accept draft j) = p_j(draft), the exact rule's, and the emitted
+    tokens are the plain decode's draws."""
+    span = drafts.shape[1]
+    invalid = (drafts < 0) | (drafts >= vocab)
+    marks = DRAFT_ID * (invalid & counted).any(1).astype(mx.int32)
+    x = categorical_at(mx.log(target[:, : span + 1]), keys[:, : span + 1])
+    ok = (x[:, :span] == drafts) & counted
+    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
+    p = mx.take_along_axis(target, accepted[:, None, None], axis=1)[:, 0]
+    marks = marks + TARGET_NAN * mx.isnan(p).any(-1).astype(mx.int32)
+    next_tokens = mx.take_along_axis(x, accepted[:, None], axis=1)[:, 0]
+    return _columns(accepted, next_tokens, marks)
+
+
+def _columns(accepted: mx.array, next_tokens: mx.array, marks: mx.array) -> mx.array:
+    return mx.stack([accepted, next_tokens, marks], axis=1).astype(mx.int32)
 
 
 def _distribution_marks(probs: mx.array, q_draft: mx.array, counted: mx.array) -> mx.array:
