@@ -52,7 +52,7 @@ from ..distributed import agree, group_of
 from ..kinds import config_mismatches, config_of, host_ints
 from ..speculative import CostAwarePolicy, Target, generation_keys, round_plan
 from ..speculative._policy import check_policy_arguments
-from ..speculative._position_keys import position_keys, rows_of
+from ..speculative._position_keys import fold_in, rows_of
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
 from ._params import Output, Request, RequestParams, checked_params, checked_prompt
@@ -98,7 +98,8 @@ class Engine:
     sampled one's are distributed as the target alone samples them (each request draws with
     its own key, from its seed, each token with its key of its position), whatever else runs
     in the batch, whatever the prefix cache served; without a drafter or with the n-gram
-    drafter they are the tokens of `generate([prompt], sampler=..., seed=its seed)`. Not thread-safe: drive it from one thread.
+    drafter they are the tokens of `generate([prompt], sampler=..., seed=its seed)`.
+    Not thread-safe: drive it from one thread.
     """
 
     def __init__(
@@ -410,9 +411,7 @@ class Engine:
         if sampler.greedy:
             token = host_ints(logits.argmax(-1))[0]
         else:
-            token = host_ints(
-                sampler.sample(sampler.probs(logits), position_keys(key, [0], 1)[:, 0])
-            )[0]
+            token = host_ints(sampler.sample(sampler.probs(logits), fold_in(key, 0)))[0]
         key = key[0]
         tokens, reason = cut([token], params.max_tokens, params.stop_ids)
         logprobs = chosen_logprobs(logits[:, None], {0: tokens})[0] if params.logprobs else None

@@ -27,9 +27,9 @@ The same `generate(..., seed=s)` call gives the same tokens: with point-mass dra
 those of the decode without a drafter, whatever the draft counts; with a draft model's
 distributions when the rounds' draft counts are the same (fixed `k`, or a policy over a
 `FixedCost`: the default policy times its rounds, and another count gives other, equally
-distributed, tokens); greedy output does not depend on the seed or the counts at all. A draw may also take row keys, (B, 2), one key per row (`_row_keys`): a
-serving engine's rows are requests with seeds of their own, and row b's noise is then a
-function of its key alone.
+distributed, tokens); greedy output does not depend on the seed or the counts at all. A draw
+may also take row keys, (B, 2), one key per row (`_row_keys`): a serving engine's rows are
+requests with seeds of their own, and row b's noise is then a function of its key alone.
 """
 
 from __future__ import annotations
