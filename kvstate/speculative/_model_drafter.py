@@ -19,6 +19,7 @@ from .. import (
     row_select,
     tile,
 )
+from .._tree import tree_leaves
 from ..kinds import Composite, as_int, inherit, replace, with_parts
 from . import _values as values
 from ._branches import Branches, first_picks, matching_path
@@ -314,12 +315,16 @@ class ModelDrafter:
             kept = [n + 1 for n in kept]
         if len(set(kept)) == 1:
             self.state = self.draft(tokens, self.state)[1]
-            return
-        _, verified, checkpoints = self.draft(tokens, self.state, capture=True)
-        try:
-            self.state = commit_prefix(verified, kept, checkpoints)
-        except CommitError:  # a pooled window some row keeps only part of: row by row
-            self.state = run_kept(self.draft, self.state, tokens, kept)
+        else:
+            _, verified, checkpoints = self.draft(tokens, self.state, capture=True)
+            try:
+                self.state = commit_prefix(verified, kept, checkpoints)
+            except CommitError:  # a pooled window some row keeps only part of: row by row
+                self.state = run_kept(self.draft, self.state, tokens, kept)
+        # Set evaluating now, beside the target's next step: left lazy, the catch-up of every
+        # plain step since the last proposal would run inside the next proposal's first draft
+        # step, and a policy timing its rounds would charge it to that verify.
+        mx.async_eval(tree_leaves(self.state))
 
     def keep_rows(self, rows: list[int]) -> None:
         rows = checked_rows(rows, started_rows(self._rows, "ModelDrafter.keep_rows"),
