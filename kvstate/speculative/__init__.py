@@ -11,7 +11,9 @@
 Works on every model kvstate wraps (hybrid and recurrent ones roll back from the verify's
 checkpoints), batched with ragged acceptance, greedy or with exact speculative sampling:
 exact for every seed, since the generator's seed is split into the target's key and the
-drafter's (`Drafter.start(prompts, key=...)`) and no two draws share a key (`_sampling`).
+drafter's (`Drafter.start(prompts, key=...)`) and no two draws share a key (`_sampling`);
+the target draws each row's token at position t with that row's key of t (`position_keys`),
+so with n-gram drafts a seed gives the tokens of the decode without a drafter.
 The target is anything with the `Target` protocol (a wrapped model is one). Every argument,
 and what a drafter returns each round, is checked (`_checks`): a `StateError` subclass
 naming what is wrong (`DrafterError` for a drafter's output the round cannot verify).
