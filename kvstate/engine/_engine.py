@@ -52,7 +52,7 @@ from ..distributed import agree, group_of
 from ..kinds import config_mismatches, config_of, host_ints
 from ..speculative import CostAwarePolicy, Target, generation_keys, round_plan
 from ..speculative._policy import check_policy_arguments
-from ..speculative._position_keys import fold_in, rows_of
+from ..speculative._position_keys import fold_in, rows_of, token_keys
 from ._drafting import Drafting, resolve
 from ._kv import empty_state
 from ._params import Output, Request, RequestParams, checked_params, checked_prompt
@@ -411,7 +411,8 @@ class Engine:
         if sampler.greedy:
             token = host_ints(logits.argmax(-1))[0]
         else:
-            token = host_ints(sampler.sample(sampler.probs(logits), fold_in(key, 0)))[0]
+            first_key = token_keys(fold_in(key, 0))
+            token = host_ints(sampler.sample(sampler.probs(logits), first_key))[0]
         key = key[0]
         tokens, reason = cut([token], params.max_tokens, params.stop_ids)
         logprobs = chosen_logprobs(logits[:, None], {0: tokens})[0] if params.logprobs else None

@@ -35,7 +35,7 @@ from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
 from ._linear_round import Stops, linear_round, plain_step
 from ._plain import decode
 from ._policy import CostAwarePolicy, check_policy_arguments
-from ._position_keys import TREE, fold_in, position_keys, rows_of
+from ._position_keys import TREE, fold_in, position_keys, rows_of, token_keys
 from ._prefill import PREFILL_STEP, prefill
 from ._processors import Processor, Processors
 from ._replay import commit_may_be_refused
@@ -260,7 +260,8 @@ def _rounds(
     # and whether a commit can be refused (pooled windows: each verify then keeps the state
     # it started from, to re-run the kept tokens from).
     plan = RoundPlan(capabilities(state).needs_checkpoints, commit_may_be_refused(state), hidden)
-    last = host_ints(pick(sampler, logits, None if row_keys is None else fold_in(row_keys, 0)))
+    first_keys = None if row_keys is None else token_keys(fold_in(row_keys, 0))
+    last = host_ints(pick(sampler, logits, first_keys))
     if group is not None:
         agree(last, group, what="the first tokens")
     live = _Rows(state, last, row_keys)

@@ -13,7 +13,7 @@ from .. import CommitError, StateError, commit_prefix
 from ..kinds import host_ints
 from ._checks import Drafts, marked_message, refused
 from ._emit import kept_drafts
-from ._position_keys import is_position_keys
+from ._position_keys import is_position_keys, token_keys
 from ._replay import run_kept
 from ._round import Round, RoundPlan
 from ._sampling import Sampler, greedy_picks, pick, sampled_verdict
@@ -52,7 +52,7 @@ def plain_step(
     if process is not None:
         logits = process(logits, fed)
     if key is not None and is_position_keys(key):
-        key = key[:, 0]
+        key = token_keys(key[:, 0])
     nxt = host_ints(pick(sampler, logits[:, -1], key))
     rows = len(last)
     return state, Round(fed, logits, [0] * rows, nxt, [[] for _ in range(rows)], _one(seen), 0)

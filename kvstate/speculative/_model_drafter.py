@@ -321,10 +321,12 @@ class ModelDrafter:
                 self.state = commit_prefix(verified, kept, checkpoints)
             except CommitError:  # a pooled window some row keeps only part of: row by row
                 self.state = run_kept(self.draft, self.state, tokens, kept)
-        # Set evaluating now, beside the target's next step: left lazy, the catch-up of every
-        # plain step since the last proposal would run inside the next proposal's first draft
-        # step, and a policy timing its rounds would charge it to that verify.
-        mx.async_eval(tree_leaves(self.state))
+        if self.pipelined:
+            # Set evaluating now, beside the target's next step: left lazy, the catch-up of
+            # every plain step since the last proposal would run inside the next proposal's
+            # first draft step, and a policy timing its rounds would charge it to that verify.
+            # (Unpipelined, the drafter evaluates nothing of its own: one read a round.)
+            mx.async_eval(tree_leaves(self.state))
 
     def keep_rows(self, rows: list[int]) -> None:
         rows = checked_rows(rows, started_rows(self._rows, "ModelDrafter.keep_rows"),

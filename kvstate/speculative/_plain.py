@@ -15,7 +15,7 @@ from ..kinds import host_ints
 from ._emit import Token, logprobs_of
 from ._generation import Finals, View
 from ._kv_quantization import KVQuantization
-from ._position_keys import fold_in
+from ._position_keys import fold_in, token_keys
 from ._processors import Processors
 from ._sampling import Sampler, pick
 from ._target import Target
@@ -90,8 +90,8 @@ def decode(
 
 
 def _at(keys: mx.array | None, position: int) -> mx.array | None:
-    """The rows' keys (B, 2) of `position` (None when greedy)."""
-    return None if keys is None else fold_in(keys, position)
+    """The keys (B, 2) the rows' tokens at `position` draw with (None when greedy)."""
+    return None if keys is None else token_keys(fold_in(keys, position))
 
 
 def _fixed(state: Any, rows: list[int], pending: list[int | None]) -> View:

@@ -13,9 +13,12 @@ without a drafter, token for token, and its acceptance is the exact rule's (p(dr
 
 `fold_in` is JAX's: Threefry-2x32 (20 rounds, Salmon et al. 2011) of the block (0, data)
 under the key, a keyed pseudo-random function, so the derived keys of different data are
-independent. A row's key is `fold_in(generation_key, row)`; a position's uniform (the rule
-for drafts with distributions) uses `fold_in(position_key, UNIFORM)`, a stream apart from its
-token draw.
+independent. A row's key is `fold_in(generation_key, row)`, a position's
+`fold_in(row_key, t)`; no draw takes either raw (MLX's draws read blocks (0, c) of their key,
+which are these keys' own derived keys): the token at a position draws with
+`fold_in(position_key, TOKEN)`, the acceptance uniform there (the rule for drafts with
+distributions) with `fold_in(position_key, UNIFORM)`, a tree round with `fold_in(first
+position's key, TREE)`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import mlx.core as mx
 
 from ._row_keys import categorical, uniform
 
+TOKEN = 0  # fold_in(position key, TOKEN): the token drawn at that position
 UNIFORM = 1  # fold_in(position key, UNIFORM): the acceptance test's uniform at that position
 TREE = 2  # fold_in(position key, TREE): a tree round's key, from its first position's key
 
@@ -77,15 +81,21 @@ def position_keys(row_keys: mx.array, starts: Sequence[int], width: int) -> mx.a
     return fold_in(row_keys[:, None], positions)
 
 
+def token_keys(keys: mx.array) -> mx.array:
+    """The keys (..., 2) a position's token draws with, from its position keys (..., 2)."""
+    return fold_in(keys, TOKEN)
+
+
 def is_position_keys(key: mx.array) -> bool:
     """Whether `key` is position keys (B, S, 2), rather than one key or row keys."""
     return key.ndim == 3
 
 
 def categorical_at(logits: mx.array, keys: mx.array) -> mx.array:
-    """(B, S) draws from `logits` (B, S, vocab), the one at (b, s) with key keys[b, s]."""
+    """(B, S) draws from `logits` (B, S, vocab), the one at (b, s) the token of position key
+    keys[b, s] (drawn with `token_keys`)."""
     rows, width = keys.shape[:2]
-    flat = categorical(logits.reshape(rows * width, -1), keys.reshape(rows * width, 2))
+    flat = categorical(logits.reshape(rows * width, -1), token_keys(keys).reshape(rows * width, 2))
     return flat.reshape(rows, width)
 
 

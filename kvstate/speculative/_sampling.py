@@ -43,7 +43,14 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ShapeError, StateError, TokenError
-from ._position_keys import UNIFORM, categorical_at, fold_in, is_position_keys, uniform_at
+from ._position_keys import (
+    UNIFORM,
+    categorical_at,
+    fold_in,
+    is_position_keys,
+    token_keys,
+    uniform_at,
+)
 from ._row_keys import categorical, checked_key, split_pair, uniform
 from ._values import (
     DRAFT_ID,
@@ -314,7 +321,7 @@ def accept_columns(
     marks = marks + TARGET_NAN * mx.isnan(final).any(-1).astype(mx.int32)
     if positional:  # the position of each row's next token
         at_key = mx.take_along_axis(cast(mx.array, key), accepted[:, None, None], axis=1)[:, 0]
-        next_tokens = draw_from(sampler, final, at_key)
+        next_tokens = draw_from(sampler, final, token_keys(at_key))
     else:
         next_tokens = draw_from(sampler, final, keys[1])
     return _columns(accepted, next_tokens, marks)
