@@ -18,8 +18,8 @@ from .. import (
     filter,
     row_select,
     tile,
+    tree_flatten,
 )
-from .._tree import tree_leaves
 from ..kinds import Composite, as_int, inherit, replace, with_parts
 from . import _values as values
 from ._branches import Branches, first_picks, matching_path
@@ -326,7 +326,7 @@ class ModelDrafter:
             # every plain step since the last proposal would run inside the next proposal's
             # first draft step, and a policy timing its rounds would charge it to that verify.
             # (Unpipelined, the drafter evaluates nothing of its own: one read a round.)
-            mx.async_eval(tree_leaves(self.state))
+            mx.async_eval(tree_flatten(self.state)[0])
 
     def keep_rows(self, rows: list[int]) -> None:
         rows = checked_rows(rows, started_rows(self._rows, "ModelDrafter.keep_rows"),
