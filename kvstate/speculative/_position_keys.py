@@ -4,7 +4,7 @@ A generator that split one key per round would draw the token at position t with
 depends on how many rounds came before it, so the tokens of a sampled generation would change
 with the drafting decisions (how many drafts, a plain step or a verify), and a cost-aware
 policy decides those from the clock. Here the token at position t of a row (t tokens emitted
-before it) is drawn with `fold_in(row_key, t)`, whatever round it falls in, and the acceptance
+before it) is drawn with that row's key of t (below), whatever round it falls in, and the acceptance
 rule for point-mass drafts (n-gram, scripted, a greedy draft model) is the *coupled* one: draw
 x_t from the target's distribution with that key, accept the draft iff it equals x_t, emit x_t
 at the first disagreement. Each emitted token is then exactly the plain decode's draw at its
@@ -100,7 +100,8 @@ def categorical_at(logits: mx.array, keys: mx.array) -> mx.array:
 
 
 def uniform_at(keys: mx.array) -> mx.array:
-    """(B, S) uniform draws in [0, 1), the one at (b, s) with key keys[b, s]."""
+    """(B, S) uniform draws in [0, 1), the one at (b, s) the acceptance uniform of position
+    key keys[b, s] (drawn with `fold_in(key, UNIFORM)`)."""
     rows, width = keys.shape[:2]
-    flat = uniform((rows * width, 1), keys.reshape(rows * width, 2))
+    flat = uniform((rows * width, 1), fold_in(keys, UNIFORM).reshape(rows * width, 2))
     return flat.reshape(rows, width)

@@ -43,14 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ShapeError, StateError, TokenError
-from ._position_keys import (
-    UNIFORM,
-    categorical_at,
-    fold_in,
-    is_position_keys,
-    token_keys,
-    uniform_at,
-)
+from ._position_keys import categorical_at, is_position_keys, token_keys, uniform_at
 from ._row_keys import categorical, checked_key, split_pair, uniform
 from ._values import (
     DRAFT_ID,
@@ -296,10 +289,7 @@ def accept_columns(
         q_draft = mx.take_along_axis(draft_probs, q_ids[..., None], axis=-1)[..., 0]
         if not made:
             marks = marks + _distribution_marks(draft_probs, q_draft, counted & ~invalid)
-    if positional:
-        u = uniform_at(fold_in(cast(mx.array, key)[:, :span], UNIFORM))
-    else:
-        u = uniform(p_draft.shape, keys[0])
+    u = uniform_at(cast(mx.array, key)[:, :span]) if positional else uniform(p_draft.shape, keys[0])
     ok = (u * q_draft < p_draft) & counted  # u < p / q, without dividing by a zero q
     accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(1)
     rejected = accepted < mx.array(counts)
