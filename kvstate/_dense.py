@@ -4,11 +4,12 @@ state kind."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
+import numpy as np
 
-from ._one_sync import materialise
+from ._one_sync import materialise, parts, shared
 from ._shared import array_kv_config, path_entries, path_in_place, shared_appended
 from ._tree import State, host_ints, replace, trusted
 from ._validation import (
@@ -154,32 +155,75 @@ def commit_ragged(
     depend on buffer positions, a KVCache under `window_size`, need uniform counts.)
     Returns (buffers, left padding, length).
     """
-    batch = len(counts)
-    start = length - appended
-    new_length = start + max(counts)
-    holes = mx.array([max(counts) - c for c in counts], mx.int32)  # d per row
-    ends = start + mx.array(counts, mx.int32)  # end of each row's valid tokens
-    lp = padding_or_zeros(left_padding, batch)
-    moved = mx.minimum(holes, ends - lp)  # a row may hold fewer tokens than its hole
-    width = max(max(counts) - c for c in counts)
-    j = mx.arange(width, dtype=mx.int32)[None, :]
-    skip = width - moved[:, None]  # positions left of `skip` copy onto themselves
-    dest = new_length - width + j
-    src = mx.where(j >= skip, lp[:, None] + (j - skip), dest)
-    index = src[:, None, :, None]
-    moving = [mx.take_along_axis(a, index, axis=2) for a in buffers]
+    moves = ragged_moves(left_padding, length, appended, counts)
+    moving = [mx.take_along_axis(a, moves.source, axis=2) for a in buffers]
     # The small moved blocks are evaluated before the buffers are: while a gather of the
     # buffer is still pending, MLX cannot write into it in place (it would copy the whole
     # context). Inside a model's commit, all layers' blocks in one sync (`_one_sync`).
     materialise(moving)
+    end = moves.length
 
     def fill(a: mx.array, block: mx.array) -> mx.array:
         out = a[...]  # a fresh object: the assignment must not reach the input state
-        out[..., new_length - width : new_length, :] = block
+        out[..., end - block.shape[2] : end, :] = block
         return out
 
     filled = [fill(a, block) for a, block in zip(buffers, moving, strict=True)]
-    return filled, lp + holes, new_length
+    return filled, moves.left_padding, moves.length
+
+
+class RaggedMoves(NamedTuple):
+    """Where a ragged commit moves each row's tokens: `source` (B, 1, width, 1), the buffer
+    position each of the `width` positions before the new `length` reads; the new
+    `left_padding`."""
+
+    source: mx.array
+    left_padding: mx.array
+    length: int
+
+
+def ragged_moves(
+    left_padding: mx.array | None, length: int, appended: int, counts: tuple[int, ...]
+) -> RaggedMoves:
+    """`commit_ragged`'s moves, computed on the host from the rows' left padding, once per
+    model commit for all the layers that share it (every DenseKV layer of a batch does:
+    ~10 small device ops a layer otherwise, each a kernel to encode on a GPU)."""
+    pads = padding_values(left_padding, len(counts))
+    return shared(("DenseKV moves", pads, length, appended, counts),
+                  lambda: _moves(pads, length, appended, counts))  # fmt: skip
+
+
+def _moves(
+    pads: tuple[int, ...], length: int, appended: int, counts: tuple[int, ...]
+) -> RaggedMoves:
+    start = length - appended
+    new_length = start + max(counts)
+    holes = np.array([max(counts) - c for c in counts])  # d per row
+    lp = np.array(pads)
+    moved = np.minimum(holes, start + np.array(counts) - lp)  # a row may hold fewer tokens
+    width = int(holes.max())
+    j = np.arange(width)[None, :]
+    skip = width - moved[:, None]  # positions left of `skip` copy onto themselves
+    dest = new_length - width + j
+    src = np.where(j >= skip, lp[:, None] + (j - skip), dest)
+    index = mx.array(src.astype(np.int32))[:, None, :, None]
+    return RaggedMoves(index, mx.array((lp + holes).astype(np.int32)), new_length)
+
+
+def padding_values(left_padding: mx.array | None, batch: int) -> tuple[int, ...]:
+    """The rows' left padding on the host. Inside a model's commit, the first call reads
+    every DenseKV layer's padding in one read (one host sync, not one a layer)."""
+    if left_padding is None:
+        return (0,) * batch
+    known: dict[int, tuple[mx.array, tuple[int, ...]]] = shared("DenseKV paddings", dict)
+    if id(left_padding) not in known:
+        others = (p.left_padding for p in parts() if isinstance(p, DenseKV))
+        unread = {id(a): a for a in (left_padding, *others)
+                  if a is not None and a.shape == left_padding.shape and id(a) not in known}  # fmt: skip
+        values = cast(list[list[int]], mx.stack(list(unread.values())).tolist())
+        for (i, a), row in zip(unread.items(), values, strict=True):
+            known[i] = (a, tuple(row))  # the array kept: its id stays its own meanwhile
+    return known[id(left_padding)][1]
 
 
 def commit_ragged_in_order(

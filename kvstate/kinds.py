@@ -456,7 +456,7 @@ def _(state: Composite, counts: tuple[int, ...], checkpoints: Any) -> Any:
             refuse_unneeded_checkpoints(p, c)
     impl = commit_rows.dispatch
     pairs = zip(parts, per_part, strict=True)
-    with one_sync():  # every layer's moved blocks in one host sync
+    with one_sync(parts):  # every layer's moved blocks in one host sync
         return with_parts(state, tuple(impl(p.__class__)(p, counts, c) for p, c in pairs))
 
 

@@ -207,10 +207,55 @@ def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
     assert abs(model.ratio(3, 4) - 2.4) < 0.12  # a batch size not timed: the nearest one's
     # no plain step timed yet: its cost is the line's intercept over 1 + overhead
     fresh = CostModel(overhead=0.2)
-    for w in (2, 4):
+    for w in (2, 4, 2, 4):  # each width timed twice: confirmed (a first timing may compile)
         fresh.observe(1, w, 0.010 * (1.2 + 0.3 * w))
     assert abs(fresh.ratio(1, 4) - 2.4) < 0.01
     assert CostModel(overhead=0.1, slope=0.05).ratio(1, 4) == pytest.approx(1.3)  # the prior
+
+
+def test_one_slow_first_timing_of_a_width_does_not_price_it_out():
+    """What the H200 showed at 8 rows: a plain step 10 ms, verifies of 1 draft 11.6 ms, and
+    the one verify of 2 drafts timed 46 ms (its first round at that shape compiles). One
+    figure is not a width's cost: it stands on the line of the confirmed widths until a
+    second timing confirms it."""
+    model = CostModel()
+    for _ in range(3):
+        model.observe(8, 0, 0.010)
+    for _ in range(9):
+        model.observe(8, 1, 0.0116)
+    model.observe(8, 2, 0.0456)
+    assert model.ratio(8, 2) < 1.3
+    assert model.widths(8) == 1
+    model.observe(8, 2, 0.0450)  # confirmed dear
+    assert model.ratio(8, 2) == pytest.approx(4.5)
+    assert model.widths(8) == 2
+
+
+def test_the_policy_is_not_stuck_by_the_compile_of_a_new_width():
+    """An injected clock where each verify width's first round costs 35 ms more (compiling
+    its shapes), then a plain step 10 ms and a verify of w drafts 10 * (1.1 + 0.05 w) ms;
+    the drafter has 1 draft a row for 30 rounds, then 4, and every draft is accepted: the
+    policy ends up verifying all 4, as the costs without the compile say it should (it used
+    to stay at 1 draft for good: the first timing of 2 priced 2 and more out)."""
+    now = [0.0]
+    policy = CostAwarePolicy(clock=lambda: now[0])
+    rows, compiled = 8, set()
+    policy.begin(rows)
+    spans = []
+    for i in range(100):
+        asked = policy.depth(4, [1000] * rows)
+        span = 0
+        if asked:
+            span = max(policy.cut([min(asked, 1 if i < 30 else 4)] * rows, [1000] * rows))
+        else:
+            policy.plain(rows)
+        now[0] += 0.010 * (1 if span == 0 else 1.1 + 0.05 * span)
+        if span not in compiled:
+            compiled.add(span)
+            now[0] += 0.035
+        policy.observe([span] * rows)
+        spans.append(span)
+    assert spans[-20:] == [4] * 20, spans
 
 
 def test_the_policy_times_rounds_with_its_clock():

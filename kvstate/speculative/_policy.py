@@ -72,22 +72,33 @@ class CostModel:
     can have, and stalled rounds move nothing. Timings older than `age` rounds are dropped (a width not
     chosen lately is re-estimated from the line), and no width is estimated dearer than
     `1 + 2 * width` plain steps (its forward over 1 + width tokens, and as many draft
-    steps). Before any timing: the
+    steps). A verify width counts as timed once it has `confirm` timings: its first round at
+    a new shape includes compiling that shape's kernels (on the H200 a first 8-row verify of
+    2 drafts took 46 ms against 12 ms after), and one such figure would otherwise price the
+    width out for `age` rounds (it is not chosen again, so never re-timed). Before any timing: the
     prior `1 + overhead + slope * width`; with one width timed, the prior's shape scaled to it.
     A plain step not yet timed is estimated as the line's intercept over 1 + overhead.
 
     Replace it by any object with `observe(rows, width, seconds)`, `ratio(rows, width)`,
-    `plain_timings(rows)`, `plain_age(rows)`, `widths(rows)` and `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
+    `plain_timings(rows)`, `plain_age(rows)`, `widths(rows)`, `confirmed(rows, width)` and
+    `plain_seconds(rows)` (tests script the ratios: `FixedCost`)."""
 
     def __init__(
-        self, *, window: int = 9, age: int = 256, overhead: float = 0.1, slope: float = 0.05
+        self,
+        *,
+        window: int = 9,
+        age: int = 256,
+        overhead: float = 0.1,
+        slope: float = 0.05,
+        confirm: int = 2,
     ) -> None:
-        if window < 1 or age < 1 or overhead < 0 or slope < 0:
+        if window < 1 or age < 1 or overhead < 0 or slope < 0 or not 1 <= confirm <= window:
             raise StateError(
-                f"CostModel: need window >= 1, age >= 1, overhead >= 0, slope >= 0; got "
-                f"{window}, {age}, {overhead}, {slope}"
+                f"CostModel: need window >= 1, age >= 1, overhead >= 0, slope >= 0, "
+                f"1 <= confirm <= window; got {window}, {age}, {overhead}, {slope}, {confirm}"
             )
         self.window, self.age, self.overhead, self.slope = window, age, overhead, slope
+        self.confirm = confirm
         self._times: dict[int, dict[int, deque[tuple[int, float]]]] = {}
         self._cache: dict[int, tuple[float | None, float | None, float | None]] = {}
         self._seen = 0
@@ -120,9 +131,15 @@ class CostModel:
         last = [t[0][-1][0] for t in self._times.values() if t.get(0)]
         return self._seen - max(last) if last else 1 << 30
 
+    def confirmed(self, rows: int, width: int) -> bool:
+        """Whether `width` over `rows` rows (or the nearest batch size) has its `confirm`
+        timings (a width with fewer counts as not timed)."""
+        return len(self._times.get(self._nearest(rows), {}).get(width, ())) >= self.confirm
+
     def widths(self, rows: int) -> int:
         """How many verify widths over `rows` rows (or the nearest batch size) are timed."""
-        return sum(1 for w in self._times.get(self._nearest(rows), {}) if w > 0)
+        table = self._times.get(self._nearest(rows), {})
+        return sum(1 for w, t in table.items() if w > 0 and len(t) >= self.confirm)
 
     def plain_seconds(self, rows: int) -> float | None:
         """A plain step's seconds (lower quartile) over `rows` rows (or the nearest batch size timed)."""
@@ -143,9 +160,9 @@ class CostModel:
     def _nearest(self, rows: int) -> int:
         """The batch size whose timings stand for `rows`: itself once it has a plain step and
         a verify timed, else the nearest one that has, else itself."""
-        if _complete(self._times.get(rows, {})):
+        if _complete(self._times.get(rows, {}), self.confirm):
             return rows
-        complete = [r for r, t in self._times.items() if _complete(t)]
+        complete = [r for r, t in self._times.items() if _complete(t, self.confirm)]
         if complete:
             return min(complete, key=lambda r: (abs(r - rows), r))
         return rows
@@ -155,7 +172,11 @@ class CostModel:
         if rows in self._cache:
             return self._cache[rows]
         table = self._times.get(rows, {})
-        medians = {w: _low([x for _, x in t]) for w, t in table.items() if t}
+        medians = {
+            w: _low([x for _, x in t])
+            for w, t in table.items()
+            if len(t) >= (1 if w == 0 else self.confirm)
+        }
         plain = medians.pop(0, None)
         if not medians:
             fit: tuple[float | None, float | None, float | None] = (plain, None, None)
@@ -183,8 +204,9 @@ def _low(times: list[float]) -> float:
     return min(times)
 
 
-def _complete(table: dict[int, Any]) -> bool:
-    return 0 in table and any(w > 0 for w in table)
+def _complete(table: dict[int, Any], confirm: int) -> bool:
+    """Whether a batch size has a plain step and a verify width timed (`confirm` times)."""
+    return 0 in table and any(w > 0 and len(t) >= confirm for w, t in table.items())
 
 
 class FixedCost:
@@ -202,6 +224,9 @@ class FixedCost:
 
     def widths(self, rows: int) -> int:
         return 1 << 30
+
+    def confirmed(self, rows: int, width: int) -> bool:
+        return True
 
     def plain_age(self, rows: int) -> int:
         return 0
@@ -514,10 +539,12 @@ class CostAwarePolicy:
         return floor
 
     def _explored(self, rows: int, span: int) -> int:
-        """`span`, or half of it while fewer than two verify widths are timed: one width
-        leaves the slope of cost over width unknown (the prior's would stand in for it)."""
+        """`span`, or half of it while fewer than two verify widths are timed (one width
+        leaves the slope of cost over width unknown: the prior's would stand in for it);
+        `span` itself when its half is the width timed already, so a second one is."""
         if span >= 2 and self._rounds >= 1 and self.cost.widths(rows) < 2:
-            return span // 2
+            half = span // 2
+            return span if self.cost.confirmed(rows, half) else half
         return span
 
     def _calibrating(self, rows: int, score: float) -> bool:
