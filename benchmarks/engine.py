@@ -16,7 +16,10 @@ Sections (`--sections`, default all):
   random-init `small` llama and on SmolLM2-135M (`--models`);
 - `ngram`: the engine with the n-gram drafter vs without, code-like and prose prompts: its
   default (`CostAwarePolicy`, a fresh one per run), fixed k=4 (`adaptive=False`) and with
-  `--warm-policy` one policy shared by the runs (timed already, as a running server's);
+  `--warm-policy` one policy shared by the runs (timed already, as a running server's); at
+  `--ngram-concurrency` rows serving `--ngram-queue` times as many requests (default 4: a
+  finished row's place is taken by a queued request, as under a steady load; with one
+  request a row the batch runs on until its slowest row ends, which no drafter shortens);
 - `chat`: a hybrid (qwen3_next-style, random-init) multi-turn chat of 8 turns behind a long
   history (`--history` tokens; default 4096 on a GPU, 1024 on the CPU): time to first
   token of each turn with the prefix cache vs without (mlx-lm's server re-prefills).
@@ -294,10 +297,11 @@ def section_ngram(args: argparse.Namespace) -> None:
         target, draft_size = wrap(tiny_model("llama", **SIZES["small"])), "small"
     for kind, code in [("code-like", True), ("prose", False)]:
         for c in [int(x) for x in args.ngram_concurrency.split(",")]:
+            count = c * args.ngram_queue  # more requests than rows: they wait, then join
             if args.drafter_model == "smollm2":
-                plan = text_schedule(c, tokenizer, args.seed + 100 + c, code)
+                plan = text_schedule(count, tokenizer, args.seed + 100 + c, code)
             else:
-                plan = schedule(c, target.vocab_size, args.seed + 100 + c, code=code)
+                plan = schedule(count, target.vocab_size, args.seed + 100 + c, code=code)
             plain, _ = run_engine(target, plan, c)
             drafted, stats = run_engine(target, plan, c, "ngram")
             fixed, fixed_stats = run_engine(target, plan, c, "ngram", adaptive=False)
@@ -315,7 +319,7 @@ def section_ngram(args: argparse.Namespace) -> None:
             rates, samples = figures(plan, runs, args.reps)
             same = min(agreement(plain, drafted), agreement(plain, fixed))
             rows.append([
-                draft_size, kind, c, f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
+                draft_size, kind, f"{c} ({count} requests)", f"{rates['ngram']:.0f}", f"{rates['plain']:.0f}",
                 fmt_ratio(samples.paired_ratio("plain", "ngram")),
                 fmt_ratio(samples.paired_ratio("plain", "ngram k=4")),
                 f"{stats['acceptance']:.2f} ({stats['drafted']})",
@@ -342,6 +346,12 @@ def main() -> None:
     parser.add_argument("--models", default="small,smollm2")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--ngram-concurrency", default="8")
+    parser.add_argument(
+        "--ngram-queue", type=int, default=4,
+        help="ngram: requests per row (a batch of `concurrency` rows serves concurrency x N "
+        "requests, the rest queued: a steady load of `concurrency` clients; 1: one request a "
+        "row, the schedule of the figures before 2026-12-04)",
+    )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--history", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
