@@ -5,17 +5,19 @@ what the H200 showed (benchmarks/probes/engine_rounds.py, BENCHMARKS.md): a roun
 hardly depends on its rows or width, the first round of each (rows, width) shape compiles
 (tens of ms), the round after a row joins carries its merge, and the host stalls at random.
 How close does `CostAwarePolicy` come to the best fixed k there? On the H200 it reached 1.05x
-of plain decoding on code prompts where fixed k=4 reached 1.51x.
+of plain decoding on code prompts where fixed k=4 reached 1.51x. `--drift`: the host's speed
+also wanders (a random walk over the simulated clock, the same for every contender of a seed).
 
 Printed per acceptance mix: tokens per unit of time over plain decoding, for fixed k = 1..k
 and the policy, means over seeds; and the policy's spans.
 
-    .venv/bin/python benchmarks/probes/engine_policy_simulation.py [--seeds 10]
+    .venv/bin/python benchmarks/probes/engine_policy_simulation.py [--seeds 10] [--drift 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 from collections import Counter
@@ -43,14 +45,37 @@ class Request:
         self.matches = rng.uniform(0.5, 1.0)  # the chance the n-gram finds a match a round
 
 
+class HostSpeed:
+    """How slow the host runs at a time: a random walk of its logarithm over 50 ms steps of
+    the simulated clock, `drift` per step, within 0.5x-2x (the H200's host moved ~2x within
+    one call). A function of the clock and the seed alone: every contender of a seed meets
+    the same host at the same time."""
+
+    def __init__(self, seed: int, drift: float) -> None:
+        self.rng, self.drift, self.factors = random.Random(10_000 + seed), drift, [1.0]
+
+    def at(self, t: float) -> float:
+        step = int(t / 0.05)
+        while len(self.factors) <= step:
+            x = math.log(self.factors[-1]) + self.rng.gauss(0.0, self.drift)
+            self.factors.append(math.exp(min(math.log(2.0), max(math.log(0.5), x))))
+        return self.factors[step]
+
+
 def simulate(mean_alpha: float, k: int | None, *, rows: int, requests: int, tokens: int,
-             most: int, seed: int) -> tuple[float, Counter[int]]:  # fmt: skip
+             most: int, seed: int, drift: float = 0.0,
+             policy: CostAwarePolicy | None = None) -> tuple[float, Counter[int]]:  # fmt: skip
     """Tokens per second of `requests` through `rows` rows at fixed `k` (0: plain), or
-    under one policy (k None), and the spans the rounds verified."""
+    under a policy (k None: `policy`, or a fresh default one), and the spans the rounds
+    verified. `drift`: the host's speed moves (`HostSpeed`)."""
     rng = random.Random(seed)
     work = [Request(rng, mean_alpha, tokens) for _ in range(requests)]
     clock, shapes, spans = [0.0], set(), Counter()
-    policy = CostAwarePolicy(clock=lambda: clock[0]) if k is None else None
+    host = HostSpeed(seed, drift)
+    if k is None and policy is not None:
+        policy.clock = lambda: clock[0]
+    elif k is None:
+        policy = CostAwarePolicy(clock=lambda: clock[0])
     if policy is not None:
         policy.begin(0)
     running: list[Request] = []
@@ -80,7 +105,7 @@ def simulate(mean_alpha: float, k: int | None, *, rows: int, requests: int, toke
             while a < c and rng.random() < r.alpha:
                 a += 1
             accepted.append(a)
-        cost = round_cost(len(running), width, rng)
+        cost = round_cost(len(running), width, rng) * host.at(clock[0])
         if (len(running), width) not in shapes:
             shapes.add((len(running), width))
             cost += COMPILE_S
@@ -112,8 +137,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument(
+        "--drift", type=float, default=0.0,
+        help="the host's speed: a random walk of its log, this much per 50 ms (0: steady)",
+    )  # fmt: skip
     args = parser.parse_args()
-    options = dict(rows=args.rows, requests=args.requests, tokens=args.tokens, most=args.k)
+    options = dict(rows=args.rows, requests=args.requests, tokens=args.tokens, most=args.k,
+                   drift=args.drift)  # fmt: skip
     for mean_alpha in (0.1, 0.25, 0.45, 0.65, 0.85):
         rates: dict[str, list[float]] = {}
         spans: Counter[int] = Counter()
