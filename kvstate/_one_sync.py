@@ -12,7 +12,9 @@ the written buffers: the writes stay in place, and the round syncs once.
 The layers of one model also move the same rows by the same counts: `shared(key, make)`
 computes such a value once per commit (the gather index of every layer with the same left
 padding), and `parts()` names the states being committed (so a kind can read what all its
-layers need from the device in one read rather than one a layer).
+layers need from the device in one read rather than one a layer). A ragged DenseKV commit
+of a whole model thus waits on the host twice: one read of every layer's left padding, one
+evaluation of every layer's moved blocks.
 """
 
 from __future__ import annotations
