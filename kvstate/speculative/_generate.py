@@ -32,7 +32,7 @@ from ._drafter import Drafter, DraftTree, TreeDrafter, prefills, uses_hidden
 from ._emit import Token, cut, finish, logprobs_of
 from ._generation import Counts, Finals, Generation
 from ._kv_quantization import QUANTIZED_KV_START, KVQuantization
-from ._linear_round import Stops, linear_round, plain_step
+from ._linear_round import Launched, Stops, launch_plain, linear_round
 from ._plain import decode
 from ._policy import CostAwarePolicy, check_policy_arguments
 from ._position_keys import TREE, fold_in, position_keys, rows_of, token_keys
@@ -275,6 +275,14 @@ def _rounds(
     process = None if processors is None else processors.verify
     if policy is not None:
         policy.begin(len(live.rows))
+    # Plain steps the policy chooses run pipelined, as plain decoding does: a plain round's
+    # observation needs no token (nothing was drafted), so the policy decides the next round
+    # before this one's tokens are read, and a next plain step is built from them unread.
+    # Not with the options that read or hold each step's tokens or state between steps.
+    ahead = (policy is not None and tree is None and group is None and finals is None
+             and processors is None and quantization is None and not hidden)  # fmt: skip
+    launched: Launched | None = None  # the next plain step, built before the last was read
+    asked_ahead: int | None = None  # the next round's depth, asked of the policy already
     while True:
         if finals is not None:
             live.record(finals, done, out)
@@ -286,7 +294,9 @@ def _rounds(
         if not alive:
             return
         if len(alive) < len(live.rows):
-            live.keep(alive)
+            live.keep(alive)  # the state after a launched step's forward too
+            if launched is not None:
+                launched.keep(alive)
             drafter.keep_rows(alive)
             if policy is not None:
                 policy.keep(alive)
@@ -297,9 +307,13 @@ def _rounds(
         room = [max_tokens - e for e in live.emitted]
         budget = max(room) - 1
         proposal = candidates = None
-        asked = min(k, budget) if budget > 0 else 0
-        if policy is not None and budget > 0:
-            asked = policy.depth(k, room, cheap=True if tree is not None else None)
+        if asked_ahead is not None:  # asked while the last round ran (0: its plain noted)
+            asked, told = asked_ahead, asked_ahead == 0
+        else:
+            asked, told = (min(k, budget) if budget > 0 else 0), False
+            if policy is not None and budget > 0:
+                asked = policy.depth(k, room, cheap=True if tree is not None else None)
+        asked_ahead = None
         if asked > 0 and tree is None:
             proposal = proposal_of(cast(Drafter, drafter), Made(live.last), asked, sampler,
                                    k=k, vocab=vocab, policy=policy, room=room)  # fmt: skip
@@ -309,17 +323,37 @@ def _rounds(
             candidates = pruned_at_ends(checked_tree(proposed_tree, asked, k), eos)
             if policy is not None and is_linked(candidates):  # else the tree round refuses it
                 candidates = policy.tree(candidates, room[0])
-        elif policy is not None:
+        elif policy is not None and not told:
             policy.plain(len(live.rows))
         r: Round
+        observed = False
         if candidates is not None and candidates.tokens:
             assert tree is not None
             live.state, r = tree_round(tree, target, live.take(), live.last[0], candidates,
                                        sampler, live.tree_key(), vocab)  # fmt: skip
         elif proposal is None or max(proposal.counts) == 0:
-            live.state, r = plain_step(
-                target, live.take(), live.last, sampler, live.keys_at(1), hidden, process
-            )
+            if launched is not None:  # built last round: `live` holds its state already
+                step, launched, pipelined = launched, None, True
+            else:
+                step = launch_plain(target, live.take(), mx.array(live.last, mx.int32)[:, None],
+                                    sampler, live.keys_at(1), hidden, process)  # fmt: skip
+                live.state, step.state, pipelined = step.state, None, False
+            if ahead and max(room) > 2:  # the next round has drafts to ask for
+                assert policy is not None
+                if not pipelined:  # the device runs it while the next is built
+                    mx.async_eval(step.next_tokens)
+                policy.observe([0] * len(live.rows), timed=pipelined)
+                observed = True
+                # By the rows' acceptance alone (a cheap drafter's confidence needs its
+                # proposal, which needs the tokens): drafts pay for no row, nor is a probe due.
+                if policy.depth(k, [r - 1 for r in room], cheap=False) == 0:
+                    asked_ahead = 0
+                    policy.plain(len(live.rows))
+                    launched = launch_plain(target, live.take(), step.next_tokens[:, None],
+                                            sampler, live.keys_at(1, ahead=1), hidden)  # fmt: skip
+                    live.state, launched.state = launched.state, None
+                    mx.async_eval(launched.next_tokens)
+            r = step.read()
         else:
             keys = live.keys_at(1 + max(proposal.counts))
             live.state, r = linear_round(target, live.take(), live.last, proposal, sampler,
@@ -337,7 +371,7 @@ def _rounds(
             drafter.accept(r.fed, Made(r.kept), **({"hidden": r.hidden} if hidden else {}))
         if policy is not None and candidates is not None:
             policy.observe_tree([*r.drafts[0][: r.accepted[0]], r.next_tokens[0]])
-        elif policy is not None:
+        elif policy is not None and not observed:
             policy.observe(r.accepted)
         out = live.emit(r, max_tokens, eos)
         done = finish(out, live.emitted, max_tokens, eos, live.rows)
@@ -428,9 +462,12 @@ class _Rows:
         self.emitted = [0] * len(last)
         self.keys = keys
 
-    def keys_at(self, width: int) -> mx.array | None:
-        """(B, width, 2) the keys of each row's next `width` positions (None when greedy)."""
-        return None if self.keys is None else position_keys(self.keys, self.emitted, width)
+    def keys_at(self, width: int, ahead: int = 0) -> mx.array | None:
+        """(B, width, 2) the keys of each row's next `width` positions, `ahead` positions
+        on (a step built before the last one's tokens were counted; None when greedy)."""
+        if self.keys is None:
+            return None
+        return position_keys(self.keys, [e + ahead for e in self.emitted], width)
 
     def tree_key(self) -> mx.array | None:
         """A tree round's one key (its one row's), from its first position's key."""

@@ -48,14 +48,58 @@ def plain_step(
     `_position_keys`, or one key or row keys; None when greedy): a round with nothing
     drafted."""
     fed = mx.array(last, mx.int32)[:, None]
+    launched = launch_plain(target, state, fed, sampler, key, hidden, process)
+    del state
+    return launched.state, launched.read()
+
+
+class Launched:
+    """A plain step built, its tokens not read yet (`read`): the generator builds the next
+    plain step from `next_tokens` before reading this one's, as plain decoding does.
+    `state`: the state after its forward (the caller takes it over)."""
+
+    def __init__(
+        self, state: Any, fed: mx.array, logits: mx.array, nxt: mx.array, seen: mx.array | None
+    ) -> None:
+        self.state, self.fed, self.logits, self.next_tokens, self.hidden = (
+            state, fed, logits, nxt, seen
+        )  # fmt: skip
+
+    def keep(self, alive: list[int]) -> None:
+        """Only the rows at positions `alive` stay (the caller filters `state`)."""
+        index = mx.array(alive)
+        self.fed, self.logits, self.next_tokens = (
+            self.fed[index], self.logits[index], self.next_tokens[index]
+        )  # fmt: skip
+        if self.hidden is not None:
+            self.hidden = self.hidden[index]
+
+    def read(self) -> Round:
+        """The step's Round (its tokens read: the one wait on the device)."""
+        nxt = host_ints(self.next_tokens)
+        rows = len(nxt)
+        return Round(self.fed, self.logits, [0] * rows, nxt, [[] for _ in range(rows)],
+                     self.hidden, 0)  # fmt: skip
+
+
+def launch_plain(
+    target: Target,
+    state: Any,
+    fed: mx.array,
+    sampler: Sampler,
+    key: mx.array | None,
+    hidden: bool,
+    process: Process | None = None,
+) -> Launched:
+    """`plain_step`'s forward of `fed` (B, 1) (an unread array: the last step's tokens)
+    from `state`, its next tokens drawn; nothing read or evaluated (the caller that builds
+    more before reading sets them evaluating)."""
     logits, state, *seen = target(fed, state, **({"hidden": True} if hidden else {}))
     if process is not None:
         logits = process(logits, fed)
     if key is not None and is_position_keys(key):
         key = token_keys(key[:, 0])
-    nxt = host_ints(pick(sampler, logits[:, -1], key))
-    rows = len(last)
-    return state, Round(fed, logits, [0] * rows, nxt, [[] for _ in range(rows)], _one(seen), 0)
+    return Launched(state, fed, logits, pick(sampler, logits[:, -1], key), _one(seen))
 
 
 def linear_round(

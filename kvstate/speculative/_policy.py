@@ -400,15 +400,18 @@ class CostAwarePolicy:
         self.last = Decision(0, [0] * rows, 0, float(rows), 1.0, False)
         self._pending = ([0] * rows, [None] * rows)
 
-    def observe(self, accepted: Sequence[int], width: int | None = None) -> None:
+    def observe(
+        self, accepted: Sequence[int], width: int | None = None, *, timed: bool = True
+    ) -> None:
         """After the verify: row b accepted `accepted[b]` of the drafts it verified; `width`:
         the verify's width when not the decision's span (a tree round: its nodes). Updates
-        the estimates and times the round."""
+        the estimates and times the round (`timed=False`: not; the generator observes the
+        first plain step of a pipelined run before it has waited for it)."""
         end = self.clock()
         counts, labels = self._pending or ([0] * len(accepted), [None] * len(accepted))
         self._pending = None
         span = max(counts, default=0) if width is None else width
-        if self._started_at is not None:  # a first round's warm-up errs on the dear side
+        if timed and self._started_at is not None:  # a first round's warm-up errs dear
             self.cost.observe(len(accepted), span, end - self._started_at)
         self._started_at = None
         self._rounds += 1
