@@ -189,6 +189,28 @@ def test_a_drafter_confidence_label_with_good_history_lifts_a_row():
     policy.observe([0, 4])
 
 
+def test_a_plain_step_is_known_ahead_only_when_no_label_would_pay():
+    """`plain_ahead` (the generator's pipelined plain steps): a plain step when the rows'
+    acceptance says drafts do not pay and no confidence label learnt would pay either; a row
+    whose own drafts fail, beside a label whose drafts were accepted, keeps the proposal
+    (its cut may draft after that label)."""
+
+    def learnt(labels: list, first_row_accepts: bool) -> CostAwarePolicy:
+        policy = CostAwarePolicy(cost=linear(0.2, overhead=0.3), probe=64)
+        policy.begin(2)
+        for _ in range(20):  # row 1's drafts rejected; row 0's accepted or not
+            policy.depth(K, [100, 100], cheap=True)
+            counts = policy.cut([4, 4], [100, 100], labels)
+            policy.observe([counts[0] if first_row_accepts else 0, 0])
+        policy.keep([1])  # the row whose own drafts fail stays
+        return policy
+
+    failing = learnt([(3, 3), (1, 1)], False)  # every label's drafts failed
+    assert failing.plain_ahead(K, [100])
+    assert failing.last is not None and failing.last.span == 0  # noted plain
+    assert not learnt([(3, 3), (1, 1)], True).plain_ahead(K, [100])  # (3, 3) pays
+
+
 def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
     """Scripted timings: a plain step 10 ms, a verify of w drafts 10 * (1.2 + 0.3 w) ms, and
     one round in four stalled 3x to 6x (a shared machine): the estimates stay within 5%,

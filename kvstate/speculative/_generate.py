@@ -344,11 +344,8 @@ def _rounds(
                     mx.async_eval(step.next_tokens)
                 policy.observe([0] * len(live.rows), timed=pipelined)
                 observed = True
-                # By the rows' acceptance alone (a cheap drafter's confidence needs its
-                # proposal, which needs the tokens): drafts pay for no row, nor is a probe due.
-                if policy.depth(k, [r - 1 for r in room], cheap=False) == 0:
+                if policy.plain_ahead(k, [r - 1 for r in room]):
                     asked_ahead = 0
-                    policy.plain(len(live.rows))
                     launched = launch_plain(target, live.take(), step.next_tokens[:, None],
                                             sampler, live.keys_at(1, ahead=1), hidden)  # fmt: skip
                     live.state, launched.state = launched.state, None

@@ -368,6 +368,30 @@ class CostAwarePolicy:
             return min(most, 2)
         return best
 
+    def plain_ahead(self, k: int, room: Sequence[int]) -> bool:
+        """Before a round's proposal, with no token of the last round read: whether the round
+        is a plain step whatever the drafter would propose (so the caller may build it from
+        the last round's unread tokens). Asks `depth` by the rows' acceptance alone (as for a
+        drafter that is not cheap), and says no when the drafter's best confidence label
+        learnt so far would pay for the rows (a cheap drafter's proposal is cut by its labels).
+        After True the round is noted plain here (`plain`); after False ask `depth` again."""
+        if self.depth(k, room, cheap=False) != 0:
+            return False
+        if self._labels:
+            best = max(self._labels.values(), key=lambda r: r.mean(self.prior, self.prior_weight))
+            alpha = best.mean(self.prior, self.prior_weight)
+            limits = [max(0, min(k, r - 1)) for r in room]
+            rows = len(room)
+            expected = [
+                sum(alpha**i for i in range(w + 1)) for w in range(max(limits, default=0) + 1)
+            ]
+            for w in range(1, len(expected)):
+                total = sum(expected[min(w, d)] for d in limits)
+                if total / self.cost.ratio(rows, w) > rows * (1 + 1e-9):
+                    return False
+        self.plain(len(room))
+        return True
+
     def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]:
         """After the proposal: the drafts each row verifies (`counts[b]`: row b's drafts;
         `labels`: the drafter's confidence per row, or None). Records the `Decision`."""
