@@ -63,19 +63,15 @@ class HostSpeed:
 
 
 def simulate(mean_alpha: float, k: int | None, *, rows: int, requests: int, tokens: int,
-             most: int, seed: int, drift: float = 0.0,
-             policy: CostAwarePolicy | None = None) -> tuple[float, Counter[int]]:  # fmt: skip
+             most: int, seed: int, drift: float = 0.0) -> tuple[float, Counter[int]]:  # fmt: skip
     """Tokens per second of `requests` through `rows` rows at fixed `k` (0: plain), or
-    under a policy (k None: `policy`, or a fresh default one), and the spans the rounds
-    verified. `drift`: the host's speed moves (`HostSpeed`)."""
+    under a fresh default policy (k None), and the spans the rounds verified. `drift`: the
+    host's speed moves (`HostSpeed`)."""
     rng = random.Random(seed)
     work = [Request(rng, mean_alpha, tokens) for _ in range(requests)]
     clock, shapes, spans = [0.0], set(), Counter()
     host = HostSpeed(seed, drift)
-    if k is None and policy is not None:
-        policy.clock = lambda: clock[0]
-    elif k is None:
-        policy = CostAwarePolicy(clock=lambda: clock[0])
+    policy = CostAwarePolicy(clock=lambda: clock[0]) if k is None else None
     if policy is not None:
         policy.begin(0)
     running: list[Request] = []

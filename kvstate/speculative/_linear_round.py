@@ -61,16 +61,18 @@ class Launched:
     def __init__(
         self, state: Any, fed: mx.array, logits: mx.array, nxt: mx.array, seen: mx.array | None
     ) -> None:
-        self.state, self.fed, self.logits, self.next_tokens, self.hidden = (
-            state, fed, logits, nxt, seen
-        )  # fmt: skip
+        self.state = state
+        self.fed = fed
+        self.logits = logits
+        self.next_tokens = nxt
+        self.hidden = seen
 
     def keep(self, alive: list[int]) -> None:
         """Only the rows at positions `alive` stay (the caller filters `state`)."""
         index = mx.array(alive)
-        self.fed, self.logits, self.next_tokens = (
-            self.fed[index], self.logits[index], self.next_tokens[index]
-        )  # fmt: skip
+        self.fed = self.fed[index]
+        self.logits = self.logits[index]
+        self.next_tokens = self.next_tokens[index]
         if self.hidden is not None:
             self.hidden = self.hidden[index]
 

@@ -377,18 +377,12 @@ class CostAwarePolicy:
         After True the round is noted plain here (`plain`); after False ask `depth` again."""
         if self.depth(k, room, cheap=False) != 0:
             return False
-        if self._labels:
-            best = max(self._labels.values(), key=lambda r: r.mean(self.prior, self.prior_weight))
-            alpha = best.mean(self.prior, self.prior_weight)
+        if self._labels:  # the cut's own rule, every row's drafts after the best label
+            label = max(self._labels, key=lambda x: self._labels[x].mean(self.prior,
+                                                                          self.prior_weight))  # fmt: skip
             limits = [max(0, min(k, r - 1)) for r in room]
-            rows = len(room)
-            expected = [
-                sum(alpha**i for i in range(w + 1)) for w in range(max(limits, default=0) + 1)
-            ]
-            for w in range(1, len(expected)):
-                total = sum(expected[min(w, d)] for d in limits)
-                if total / self.cost.ratio(rows, w) > rows * (1 + 1e-9):
-                    return False
+            if self._best([[label] * d for d in limits], len(room))[0] > 0:
+                return False
         self.plain(len(room))
         return True
 
