@@ -204,9 +204,10 @@ class Engine:
         out = _Outputs()
         self._free_cancelled(out)
         self._admit()
+        forwards = self._counters.prefill_forwards
         rows, state, keys, ready = self._prefill(out)
         if len(self._batch):
-            self._decode(out)
+            self._decode(out, joining=bool(rows), quiet=forwards == self._counters.prefill_forwards)
         if rows:
             self._join(rows, state, keys, ready)
         if self._ranks is not None:
@@ -420,8 +421,13 @@ class Engine:
         self._finished(request, reason)
         return Row(request, token, list(request.prompt)), key, reason
 
-    def _decode(self, out: _Outputs) -> None:
-        """One round for every running row; the finished ones leave."""
+    def _decode(self, out: _Outputs, *, joining: bool, quiet: bool) -> None:
+        """One round for every running row; the finished ones leave. Its plain steps run
+        pipelined (`run_round`'s `ahead`) unless rows join after it, or the model is split
+        (each rank's step reads and agrees on every round) or the drafter takes hidden
+        states (they come from the step's forward). `quiet`: no prefill forward ran this
+        step."""
+        ahead = not joining and self._ranks is None and not self._plan.hidden
         emitted, self._depth = run_round(
             self.target,
             self._batch,
@@ -431,6 +437,8 @@ class Engine:
             plan=self._plan,
             vocab=self.vocab_size,
             counters=self._counters,
+            ahead=ahead,
+            quiet=quiet,
         )
         alive = []
         for b, (row, e) in enumerate(zip(self._batch.rows, emitted, strict=True)):
@@ -440,7 +448,7 @@ class Engine:
                 alive.append(b)
             elif self._cache is not None:  # a turn end: prompt and output, as the state holds
                 turn = extract(self._batch.state, b)
-                self._cache.insert(tuple(row.history), turn, cuttable=False)
+                self._cache.insert(tuple(self._batch.held(b)), turn, cuttable=False)
         if len(alive) < len(self._batch):
             self._leave(alive)
 

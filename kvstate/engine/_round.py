@@ -19,6 +19,7 @@ from ..speculative import (
     Sampler,
     Target,
     batch_round,
+    launch_plain,
     position_keys,
 )
 from ._drafting import Drafting
@@ -57,53 +58,95 @@ def run_round(
     plan: RoundPlan,
     vocab: int,
     counters: Counters,
+    ahead: bool = False,
+    quiet: bool = True,
 ) -> tuple[list[Emitted], int]:
     """One round over `batch` (at least one row): each row's emission, in batch order, and
     the depth the drafter was asked for. With a drafter, `policy` (None: fixed k) chooses
     the depth and each row's drafts, as the generator drives it (`depth`, `cut` or `plain`,
     `observe`). The batch's state, keys and rows' last tokens and histories move on; rows
-    stay (the caller retires the finished ones)."""
+    stay (the caller retires the finished ones).
+
+    Plain steps run pipelined, as plain decoding does: the round reads the step launched
+    ahead last round (`batch.launched`) if there is one, and with `ahead` (nothing joins the
+    batch before the next round) builds the next plain step from this one's unread tokens
+    before reading them, when the next round is plain: always without a drafter, when
+    `policy.plain_ahead` says so with one (a plain round's observation needs no token).
+    `quiet`: nothing but this round ran on the device this step (else a pipelined step's
+    time, which spans the step, is not a plain step's: it is not timed)."""
     rows = batch.rows
     room = [r.remaining for r in rows]
     budget = max(room) - 1  # drafts any row can still use
-    asked = 0
-    if drafting is not None and budget > 0:
-        asked = min(k, budget) if policy is None else policy.depth(k, room)
-    if policy is not None and asked == 0:
-        policy.plain(len(rows))
     samplers = [r.request.params.sampler for r in rows]
-    sampler, key = _round_sampler(batch, samplers, 1 + asked)
+    step, batch.launched = batch.launched, None
+    asked = 0
+    if step is None and drafting is not None and budget > 0:
+        asked = min(k, budget) if policy is None else policy.depth(k, room)
+    if step is None and policy is not None and asked == 0:
+        policy.plain(len(rows))
     fixed = FixedDepth() if policy is None else None
-    drafter = drafting.drafter if drafting is not None and asked > 0 else None
-    batch.state, r = batch_round(
-        target, batch.take(), [row.last for row in rows], drafter, asked, sampler, key, plan,
-        k=k, vocab=vocab, policy=policy if fixed is None else fixed, room=room,
-    )  # fmt: skip
+    pipelined = step is not None  # the plain step launched last round: the policy noted it
+    observed = False
+    if step is None and asked == 0:
+        sampler, key = _round_sampler(batch, samplers, 1)
+        fed = mx.array([row.last for row in rows], mx.int32)[:, None]
+        step = launch_plain(target, batch.take(), fed, sampler, key, plan.hidden)
+        batch.state, step.state = step.state, None
+    if step is not None:
+        # Without a drafter the next round is plain; with one only the policy can say so
+        # (at fixed k every round drafts), once the next round has drafts to ask for.
+        if (
+            ahead
+            and (max(room) > 2 if drafting is not None else max(room) > 1)
+            and (drafting is None or policy is not None)
+        ):
+            if not pipelined:  # the device runs it while the next is built
+                mx.async_eval(step.next_tokens)
+            if policy is not None:  # observed before its read: this round drafted nothing
+                policy.observe([0] * len(rows), timed=pipelined and quiet)
+                observed = True
+            if policy is None or policy.plain_ahead(k, [r - 1 for r in room]):
+                sampler, key = _round_sampler(batch, samplers, 1, ahead=1)
+                fed = step.next_tokens[:, None]
+                batch.launched = launch_plain(target, batch.take(), fed, sampler, key, plan.hidden)
+                batch.state, batch.launched.state = batch.launched.state, None
+                mx.async_eval(batch.launched.next_tokens)
+        r = step.read()
+    else:
+        sampler, key = _round_sampler(batch, samplers, 1 + asked)
+        drafter = drafting.drafter if drafting is not None else None
+        batch.state, r = batch_round(
+            target, batch.take(), [row.last for row in rows], drafter, asked, sampler, key,
+            plan, k=k, vocab=vocab, policy=policy if fixed is None else fixed, room=room,
+        )  # fmt: skip
     if drafting is not None and budget > 0:  # budget 0: every row ends with this round
         drafting.accept(r.fed, r.kept, r.hidden)
     counters.rounds += 1
     if fixed is not None:  # the drafts verified (after the policy's cuts)
         counters.drafted += sum(fixed.counts)
     elif policy is not None:
-        if policy.last is not None:
+        if r.span and policy.last is not None:
             counters.drafted += sum(policy.last.counts)
-        policy.observe(r.accepted)
+        if not observed:
+            policy.observe(r.accepted, timed=quiet or not pipelined)
     if r.span:
         counters.accepted += sum(r.accepted)
     return _emitted(rows, r), asked
 
 
 def _round_sampler(
-    batch: Batch, samplers: list[Sampler], width: int
+    batch: Batch, samplers: list[Sampler], width: int, ahead: int = 0
 ) -> tuple[Sampler, mx.array | None]:
     """The round's sampler (greedy when every row is; one Sampler when the rows share it;
     else a RowSampler) and keys (each row's keys of its next `width` positions, from its
-    request's key: a request's tokens are then its plain decode's, whatever the drafts and
-    the batch; None when greedy)."""
+    request's key, `ahead` positions on (a step launched before the last one's tokens are
+    counted): a request's tokens are then its plain decode's, whatever the drafts and the
+    batch; None when greedy)."""
     if all(s.greedy for s in samplers):
         return Sampler(), None
     assert batch.keys is not None
-    key = position_keys(batch.keys, [len(row.request.tokens) for row in batch.rows], width)
+    emitted = [len(row.request.tokens) + ahead for row in batch.rows]
+    key = position_keys(batch.keys, emitted, width)
     first = samplers[0]
     if all(s == first for s in samplers):
         return first, key

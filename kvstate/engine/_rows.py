@@ -1,7 +1,8 @@
 """The running batch: the target's state over its rows and, per row, what the host keeps of
 it (its request, its last token, its key, the tokens its state holds). Rows join with
 `extend` (ragged lengths: left padding) and leave with `filter`; nothing else touches the
-state between rounds."""
+state between rounds but a plain step launched ahead (`launched`), whose forward the state
+is the output of."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import extend, filter
+from ..speculative import Launched
 from ._params import Request
 
 
@@ -31,12 +33,17 @@ class Row:
 
 class Batch:
     """The running rows (`rows`, in batch order), the target's `state` over them (None when
-    there are none) and their keys (B, 2), row b's the key its request draws with."""
+    there are none) and their keys (B, 2), row b's the key its request draws with.
+
+    `launched`: a plain step over the rows built before the last round's tokens were read
+    (from them, unread), its tokens not read yet; `state` is then its forward's output and
+    holds each row's `last` token too (`held`). None: the state holds each row's `history`."""
 
     def __init__(self) -> None:
         self.rows: list[Row] = []
         self.state: Any = None
         self.keys: mx.array | None = None
+        self.launched: Launched | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -56,12 +63,19 @@ class Batch:
     def keep(self, alive: list[int]) -> None:
         """Only the rows at positions `alive` stay, in this order (none: the batch empties)."""
         if not alive:
-            self.rows, self.state, self.keys = [], None, None
+            self.rows, self.state, self.keys, self.launched = [], None, None, None
             return
         self.state = filter(self._take(), alive)
+        if self.launched is not None:
+            self.launched.keep(alive)
         assert self.keys is not None
         self.keys = self.keys[mx.array(alive)]
         self.rows = [self.rows[i] for i in alive]
+
+    def held(self, b: int) -> list[int]:
+        """The tokens row `b`'s state holds."""
+        row = self.rows[b]
+        return [*row.history, row.last] if self.launched is not None else list(row.history)
 
     def take(self) -> Any:
         """The state, handed over to a round (no reference kept here while it runs)."""

@@ -67,6 +67,7 @@ from ._checks import checked_step_prompt
 from ._drafter import Drafter, DraftTree, Proposal, TreeDrafter
 from ._generate import Token, generate
 from ._generation import Generation
+from ._linear_round import Launched, launch_plain
 from ._model_drafter import ModelDrafter
 from ._mtp import DraftHead, MTPDrafter
 from ._ngram import NGramDrafter
@@ -93,6 +94,7 @@ __all__ = [
     "DrafterError",
     "FixedCost",
     "Generation",
+    "Launched",
     "MTPDrafter",
     "ModelDrafter",
     "NGramDrafter",
@@ -113,6 +115,7 @@ __all__ = [
     "batch_round",
     "generate",
     "generation_keys",
+    "launch_plain",
     "round_plan",
     "position_keys",
     "row_keys",
