@@ -134,10 +134,24 @@ def text_schedule(c: int, tokenizer: Any, seed: int, code: bool) -> Schedule:
     return sorted(out, key=lambda x: x[0])
 
 
+class SynchronousEngine(Engine):
+    """The engine as it was before its plain steps were pipelined (each step's tokens read
+    before the next is built): a contender that shows what the pipelining is worth."""
+
+    def _decode(self, out: Any, *, joining: bool, quiet: bool) -> None:
+        super()._decode(out, joining=True, quiet=quiet)  # a join reads every step at once
+
+
 def run_engine(
-    target: Any, plan: Schedule, c: int, drafter: Any = None, **options: Any
+    target: Any,
+    plan: Schedule,
+    c: int,
+    drafter: Any = None,
+    engine_class: type[Engine] = Engine,
+    **options: Any,
 ) -> tuple[list[list[int]], dict]:
-    engine = Engine(target, drafter() if callable(drafter) else drafter, max_batch=c, **options)
+    made = drafter() if callable(drafter) else drafter
+    engine = engine_class(target, made, max_batch=c, **options)
     requests, i, step = [], 0, 0
     while i < len(plan) or engine.has_work():
         while i < len(plan) and plan[i][0] <= step:
@@ -273,17 +287,22 @@ def section_throughput(args: argparse.Namespace) -> None:
             runs = {
                 "engine": lambda p=plan, c=c, t=target: run_engine(t, p, c),
                 "mlx-lm": lambda p=plan, c=c, m=model: run_mlx_lm(m, p, c),
+                "synchronous": lambda p=plan, c=c, t=target: run_engine(
+                    t, p, c, engine_class=SynchronousEngine
+                ),
             }
             rates, samples = figures(plan, runs, args.reps)
             rows.append([
                 name, c, len(plan), f"{rates['engine']:.0f}", f"{rates['mlx-lm']:.0f}",
-                fmt_ratio(samples.paired_ratio("mlx-lm", "engine")), f"{agree:.2f}",
+                fmt_ratio(samples.paired_ratio("mlx-lm", "engine")),
+                fmt_ratio(samples.paired_ratio("synchronous", "engine")), f"{agree:.2f}",
             ])  # fmt: skip
             say(f"  {rows[-1]}")
         say("")
         say(f"### engine vs mlx-lm BatchGenerator ({name}; greedy, random arrivals)")
         say(table(["model", "concurrent", "requests", "engine tok/s", "mlx-lm tok/s",
-                   "engine / mlx-lm", "same tokens"], rows))  # fmt: skip
+                   "engine / mlx-lm", "engine / synchronous engine", "same tokens"],
+                  rows))  # fmt: skip
 
 
 def section_ngram(args: argparse.Namespace) -> None:
