@@ -14,7 +14,9 @@ Each `step()`:
    prompt positions in all per step;
 4. runs one round for every running row: a plain step, or with a drafter a verify of every
    row's drafts and a ragged commit of each row's accepted prefix; rows emit up to their
-   own `max_tokens` and first stop id;
+   own `max_tokens` and first stop id; a plain step is pipelined (the next plain step is
+   built from its unread tokens before they are read, as mlx-lm's `BatchGenerator` does),
+   unless rows join in 6;
 5. retires the rows that finished (`filter`, in the same step: the batch never holds a
    finished row), keeping each one's state in the prefix cache as a turn end;
 6. joins the prompts prefilled in 3 to the batch (`extend`: ragged lengths, left padding)

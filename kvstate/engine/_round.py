@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ..speculative import (
     CostAwarePolicy,
+    Launched,
     Round,
     RoundPlan,
     RowSampler,
@@ -77,43 +78,33 @@ def run_round(
     rows = batch.rows
     room = [r.remaining for r in rows]
     budget = max(room) - 1  # drafts any row can still use
-    samplers = [r.request.params.sampler for r in rows]
     step, batch.launched = batch.launched, None
+    pipelined = step is not None  # the plain step launched last round: the policy noted it
     asked = 0
     if step is None and drafting is not None and budget > 0:
         asked = min(k, budget) if policy is None else policy.depth(k, room)
     if step is None and policy is not None and asked == 0:
         policy.plain(len(rows))
-    fixed = FixedDepth() if policy is None else None
-    pipelined = step is not None  # the plain step launched last round: the policy noted it
-    observed = False
     if step is None and asked == 0:
-        sampler, key = _round_sampler(batch, samplers, 1)
         fed = mx.array([row.last for row in rows], mx.int32)[:, None]
-        step = launch_plain(target, batch.take(), fed, sampler, key, plan.hidden)
-        batch.state, step.state = step.state, None
+        step = _launch(target, batch, fed, plan, ahead=0)
+    fixed = FixedDepth() if policy is None else None
+    observed = False
     if step is not None:
         # Without a drafter the next round is plain; with one only the policy can say so
         # (at fixed k every round drafts), once the next round has drafts to ask for.
-        if (
-            ahead
-            and (max(room) > 2 if drafting is not None else max(room) > 1)
-            and (drafting is None or policy is not None)
-        ):
+        if ahead and (max(room) > 1 if drafting is None else policy is not None and budget > 1):
             if not pipelined:  # the device runs it while the next is built
                 mx.async_eval(step.next_tokens)
             if policy is not None:  # observed before its read: this round drafted nothing
                 policy.observe([0] * len(rows), timed=pipelined and quiet)
                 observed = True
             if policy is None or policy.plain_ahead(k, [r - 1 for r in room]):
-                sampler, key = _round_sampler(batch, samplers, 1, ahead=1)
-                fed = step.next_tokens[:, None]
-                batch.launched = launch_plain(target, batch.take(), fed, sampler, key, plan.hidden)
-                batch.state, batch.launched.state = batch.launched.state, None
+                batch.launched = _launch(target, batch, step.next_tokens[:, None], plan, ahead=1)
                 mx.async_eval(batch.launched.next_tokens)
         r = step.read()
     else:
-        sampler, key = _round_sampler(batch, samplers, 1 + asked)
+        sampler, key = _round_sampler(batch, 1 + asked)
         drafter = drafting.drafter if drafting is not None else None
         batch.state, r = batch_round(
             target, batch.take(), [row.last for row in rows], drafter, asked, sampler, key,
@@ -134,14 +125,25 @@ def run_round(
     return _emitted(rows, r), asked
 
 
-def _round_sampler(
-    batch: Batch, samplers: list[Sampler], width: int, ahead: int = 0
-) -> tuple[Sampler, mx.array | None]:
+def _launch(
+    target: Target, batch: Batch, fed: mx.array, plan: RoundPlan, *, ahead: int
+) -> Launched:
+    """A plain step over the batch's rows fed `fed` (B, 1), built and not read (`ahead`: it
+    draws the token after the one not counted yet); the batch's state is then its
+    forward's output."""
+    sampler, key = _round_sampler(batch, 1, ahead)
+    step = launch_plain(target, batch.take(), fed, sampler, key, plan.hidden)
+    batch.state, step.state = step.state, None
+    return step
+
+
+def _round_sampler(batch: Batch, width: int, ahead: int = 0) -> tuple[Sampler, mx.array | None]:
     """The round's sampler (greedy when every row is; one Sampler when the rows share it;
     else a RowSampler) and keys (each row's keys of its next `width` positions, from its
     request's key, `ahead` positions on (a step launched before the last one's tokens are
     counted): a request's tokens are then its plain decode's, whatever the drafts and the
     batch; None when greedy)."""
+    samplers = [row.request.params.sampler for row in batch.rows]
     if all(s.greedy for s in samplers):
         return Sampler(), None
     assert batch.keys is not None
