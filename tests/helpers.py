@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -224,3 +225,34 @@ def two_rows_through_a_ragged_commit(
     for pair in zip(*after, strict=True):
         step(pair)
     return got, state
+
+
+def logged_forwards_and_reads(target: Any, monkeypatch: Any) -> list[tuple[str, Any]]:
+    """Every forward of `target` ("forward", its tokens) and every read of an array ("read",
+    its values), in order, from now until `monkeypatch` is undone."""
+    events: list[tuple[str, Any]] = []
+    forward, real = type(target).__call__, mx.array.tolist
+
+    def logged_forward(self: Any, tokens: Any, *a: Any, **k: Any) -> Any:
+        events.append(("forward", tokens))
+        return forward(self, tokens, *a, **k)
+
+    def logged_read(a: mx.array) -> Any:
+        values = real(a)
+        events.append(("read", values))
+        return values
+
+    monkeypatch.setattr(type(target), "__call__", logged_forward)
+    monkeypatch.setattr(mx.array, "tolist", logged_read)
+    return events
+
+
+def built_ahead(events: list[tuple[str, Any]]) -> int:
+    """How many one-token forwards were fed exactly the values the read right after them
+    returned: a step built from the last step's tokens before they were read (a synchronous
+    loop reads each step's tokens after its own forward, which was fed the ones before)."""
+    ahead = 0
+    for (kind, fed), (then, values) in itertools.pairwise(events):
+        if kind == "forward" and then == "read" and isinstance(fed, mx.array):
+            ahead += fed.shape[-1] == 1 and np.array(fed).reshape(-1).tolist() == values
+    return ahead

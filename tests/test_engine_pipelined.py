@@ -6,10 +6,8 @@ between such steps; every request keeps the tokens it gets alone."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import mlx.core as mx
 import pytest
 
 from kvstate.adapters import wrap
@@ -18,6 +16,7 @@ from kvstate.engine import Engine, RequestParams
 from kvstate.speculative import CostAwarePolicy, FixedCost, NGramDrafter, generate
 
 from .engine_helpers import run_all
+from .helpers import built_ahead, logged_forwards_and_reads
 
 PROMPTS = [(3, 17, 42, 59, 7, 25, 31, 8, 12, 6, 5), (10, 11, 12), (7, 7, 40, 41, 42, 7, 7)]
 
@@ -39,37 +38,6 @@ def drafts_never_pay() -> CostAwarePolicy:
     return CostAwarePolicy(cost=FixedCost(lambda w: 100.0, plain=1.0))
 
 
-def logged(target: Any, monkeypatch: Any) -> list[tuple[str, Any]]:
-    """Every forward of `target` (its tokens) and every read of an array (its values), in
-    order."""
-    events: list[tuple[str, Any]] = []
-    forward, real = type(target).__call__, mx.array.tolist
-
-    def logged_forward(self: Any, tokens: Any, *a: Any, **k: Any) -> Any:
-        events.append(("forward", tokens))
-        return forward(self, tokens, *a, **k)
-
-    def logged_read(a: mx.array) -> Any:
-        values = real(a)
-        events.append(("read", values))
-        return values
-
-    monkeypatch.setattr(type(target), "__call__", logged_forward)
-    monkeypatch.setattr(mx.array, "tolist", logged_read)
-    return events
-
-
-def built_ahead(events: list[tuple[str, Any]]) -> int:
-    """How many forwards were fed exactly the values the read right after them returned: a
-    step built from the last step's tokens before they were read (a synchronous loop reads
-    each step's tokens after its own forward, which was fed the ones before)."""
-    ahead = 0
-    for (kind, fed), (then, values) in itertools.pairwise(events):
-        if kind == "forward" and then == "read" and isinstance(fed, mx.array):
-            ahead += fed.tolist() == [[v] for v in values] if fed.shape[-1] == 1 else 0
-    return ahead
-
-
 @pytest.mark.parametrize("drafter", [None, "ngram"])
 def test_each_plain_step_is_built_before_the_last_tokens_are_read(target, monkeypatch, drafter):
     """Without a drafter every step after the first of a run is built ahead; with the n-gram
@@ -77,7 +45,7 @@ def test_each_plain_step_is_built_before_the_last_tokens_are_read(target, monkey
     policy = drafts_never_pay() if drafter else None
     engine = Engine(target, NGramDrafter() if drafter else None, policy=policy)
     requests = [engine.submit(p, RequestParams(max_tokens=30)) for p in PROMPTS]
-    events = logged(target, monkeypatch)
+    events = logged_forwards_and_reads(target, monkeypatch)
     steps = run_all(engine)
     monkeypatch.undo()
     assert built_ahead(events) >= (25 if drafter is None else 18), (built_ahead(events), steps)

@@ -6,17 +6,15 @@ stay the plain decode's: greedy and sampled, rows ending at their eos or budget 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import mlx.core as mx
 import pytest
 
 from kvstate.adapters import wrap
 from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import CostAwarePolicy, FixedCost, NGramDrafter, Sampler, generate
 
-from .helpers import ScriptedDrafter
+from .helpers import ScriptedDrafter, built_ahead, logged_forwards_and_reads
 
 PROMPTS = [[3, 17, 42, 59, 7, 25, 31, 8, 12, 6, 5], [10, 11, 12], [7, 7, 40, 41, 42, 7, 7]]
 
@@ -43,30 +41,13 @@ def test_a_plain_run_builds_each_forward_before_reading_the_last_tokens(target, 
     """Each plain step's forward is fed the last step's tokens before they are read: the
     read that follows a forward returns what that forward was fed (a synchronous loop reads
     each step's tokens right after its own forward, which was fed the ones before)."""
-    events: list[tuple[str, Any]] = []
-    forward = type(target).__call__
-
-    def logged_forward(self: Any, tokens: Any, *a: Any, **k: Any) -> Any:
-        events.append(("forward", tokens))
-        return forward(self, tokens, *a, **k)
-
-    real = mx.array.tolist
-
-    def logged_read(a: mx.array) -> Any:
-        values = real(a)
-        events.append(("read", values))
-        return values
-
-    monkeypatch.setattr(type(target), "__call__", logged_forward)
-    monkeypatch.setattr(mx.array, "tolist", logged_read)
+    events = logged_forwards_and_reads(target, monkeypatch)
     plain = [[1] * 40]  # wrong drafts (mostly): the probes are rejected
     rounds = generate(target, PROMPTS[:1], ScriptedDrafter(plain, 0.0), max_tokens=40,
                       policy=drafts_never_pay())  # fmt: skip
     list(rounds)
-    ahead = 0
-    for (kind, fed), (then, values) in itertools.pairwise(events):
-        if kind == "forward" and then == "read" and isinstance(fed, mx.array):
-            ahead += real(fed.reshape(-1)) == values
+    monkeypatch.undo()
+    ahead = built_ahead(events)
     assert ahead >= 25, ahead  # ~36 plain steps, each built before the last one's read
 
 
