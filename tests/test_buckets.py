@@ -70,17 +70,20 @@ def test_buckets_cover_the_keys_and_the_classes_come_back(monkeypatch):
 # MLX's attention on CUDA below) ---------------------------------------------------------
 
 
-def counting_kernel(monkeypatch) -> list[tuple[int, ...]]:
-    """The query shapes the verify attention is called with, from now on."""
+def counting_kernel(monkeypatch, padded: list[bool] | None = None) -> list[tuple[int, ...]]:
+    """The query shapes the verify attention is called with, from now on (and in `padded`
+    whether each call was given the rows' left padding)."""
     calls: list[tuple[int, ...]] = []
     chosen = buckets.attention_for_device
 
     def spying():
         original = chosen()
 
-        def spy(queries, keys, values, scale):
+        def spy(queries, keys, values, scale, first=None):
             calls.append(tuple(queries.shape))
-            return original(queries, keys, values, scale)
+            if padded is not None:
+                padded.append(first is not None)
+            return original(queries, keys, values, scale, first)
 
         return spy
 
@@ -127,9 +130,7 @@ def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take
     assert type(model.model.layers[0].self_attn) is attention_class  # routed for one forward
     # Longer than MAX_QUERIES: MLX's attention over the buckets.
     m(mx.array([list(range(MAX_QUERIES + 1))]), state)
-    # A ragged batch (left padding: an array mask) and a tree (its own mask) keep the buckets.
-    batch = ks.merge([m(mx.array([p]), m.init_state())[1] for p in PROMPTS])
-    m(mx.array([[1, 2, 3]] * 3), batch)
+    # A tree (its own mask) keeps the buckets.
     m.tree_forward(mx.array([[1, 2, 3]]), state, [-1, 0, 0])
     # A sliding window (gemma3_text's local layers ask for window_size): buckets for those.
     gemma = wrap(tiny_model("gemma3_text", head_dim=32), buckets=True, verify_kernel=True)
@@ -138,6 +139,79 @@ def test_verify_kernel_route_is_for_one_forward_and_declines_what_it_cannot_take
     assert len(calls) == model.args.num_hidden_layers + sum(
         type(c) is KVCache for c in make_prompt_cache(gemma.model)
     )
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma3_text"])
+def test_a_ragged_batchs_verifies_take_the_kernel_with_each_rows_padding(monkeypatch, name):
+    """A ragged batch (rows of 10, 3 and 6 tokens: left padding) verifying 2..9 tokens, its
+    ragged commits between them, through the routed attention: the logits and states of the
+    same forwards without any bucketing (mlx-lm's attention and array masks); every attention
+    layer of every verify went to the kernel with the rows' padding."""
+
+    def steps(m):
+        state = ks.merge([m(mx.array([p]), m.init_state())[1] for p in PROMPTS])
+        out = []
+        for width, kept in ((2, [2, 1, 2]), (5, [1, 5, 3]), (9, [9, 4, 1])):
+            logits, after, checkpoints = m(
+                mx.array([list(range(3 + b, 3 + b + width)) for b in range(3)]), state,
+                capture=True,
+            )  # fmt: skip
+            state = ks.commit_prefix(after, kept, checkpoints)
+            step, state = m(mx.array([[7], [8], [9]]), state)
+            out += [logits, step, *ks.tree_flatten(state)[0]]
+        return out
+
+    padded: list[bool] = []
+    calls = counting_kernel(monkeypatch, padded)
+    for exact, routed in run_both(name, steps, verify_kernel=True, head_dim=32):
+        np.testing.assert_allclose(routed, exact, rtol=1e-4, atol=1e-4)
+    attention = sum(type(c) is KVCache for c in make_prompt_cache(tiny_model(name)))
+    assert attention > 0
+    assert [c[2] for c in calls] == [2] * attention + [5] * attention + [9] * attention
+    assert all(c[0] == 3 for c in calls) and all(padded)
+
+
+def test_a_batch_verify_the_kernel_cannot_take_gets_the_padded_mask():
+    """The batch cache's "causal" mask never reaches mlx-lm's attention (which would read it
+    as a plain causal mask, over the padding): a call the kernel does not take (attention
+    sinks here) runs MLX's attention with the rows' padded causal mask."""
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((2, 4, 3, 32)), mx.float32)
+    k, v = (mx.array(rng.standard_normal((2, 2, 9, 32)), mx.float32) for _ in range(2))
+    sinks = mx.array(rng.standard_normal(4), mx.float32)
+    first = mx.array([0, 4], mx.int32)
+
+    class Cache:
+        left_padding = first
+        _kvstate_bucket = buckets.Bucket()
+
+    kernel_calls = []
+    Cache._kvstate_bucket.kernel = lambda *a: kernel_calls.append(a)
+    got = buckets.ROUTES[buckets._BucketedBatchKV](q, k, v, Cache(), 0.5, "causal", sinks)
+    mask = mx.array(
+        np.tril(np.ones((3, 9), bool), 6)[None, None] & (np.arange(9) >= [[0], [4]])[:, None, None]
+    )
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask, sinks=sinks)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    assert kernel_calls == []
+    assert buckets.ROUTES[buckets._BucketedBatchKV](q, k, v, Cache(), 0.5, mask, None) is None
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the verify kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("tokens, keys", [(2, 40), (5, 300), (9, 1029)])
+def test_verify_kernel_with_left_padding_equals_mlx_attention(dtype, tokens, keys):
+    from kvstate.adapters.kernels.verify_attention import causal_attention, verify_attention
+
+    rng = np.random.default_rng(tokens)
+    q = mx.array(rng.standard_normal((4, 8, tokens, 64)), dtype)
+    k = mx.array(rng.standard_normal((4, 2, keys + 40, 64)), dtype)[..., :keys, :]
+    v = mx.array(rng.standard_normal((4, 2, keys + 40, 64)), dtype)[..., :keys, :]
+    first = mx.array([0, 1, keys // 2, keys - tokens], mx.int32)
+    got = verify_attention(q, k, v, 0.125, first).astype(mx.float32)
+    want = causal_attention(q, k, v, 0.125, first).astype(mx.float32)
+    tol = 2e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the verify kernel runs on CUDA")

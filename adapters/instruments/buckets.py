@@ -13,11 +13,16 @@ the exact key length, as before. All dense caches of a forward share one `Bucket
 model computes one mask (from one cache) for all its attention layers.
 
 A verify of up to `kernels.verify_attention.MAX_QUERIES` tokens over a `KVCache` whose mask is
-mlx-lm's plain causal one skips the buckets on CUDA: the model's attention is routed for that
-forward (`routing.attention_routed`) to kvstate's verify kernel, which reads the exact
+mlx-lm's plain causal one, or over a `BatchKVCache` whose mask is causal from each row's left
+padding on (a ragged batch's), skips the buckets on CUDA: the model's attention is routed for
+that forward (`routing.attention_routed`) to kvstate's verify kernel, which reads the exact
 key length with no per-length cost and launches one kernel per layer where cuDNN (or, in
-float32, unfused ops) costs the host more. Masks given as arrays (a tree, a window, left
-padding) keep the buckets.
+float32, unfused ops) costs the host more. cuDNN also builds a graph per (rows, queries, key
+bucket): a serving batch, whose rows and verify widths change every few rounds, met such a
+build (40-85 ms on the H200) again and again. The batch cache's mask is then the string
+"causal" (its route reads the padding from the cache; should the kernel not take the call,
+the route runs MLX's attention with the array mask itself, never mlx-lm's "causal").
+Masks given as arrays otherwise (a tree, a window) keep the buckets.
 
 Whether a wrapped model buckets, and routes to the kernel, is its `Bucketing` (chosen when
 it is wrapped: `kvstate.adapters.wrap(model, buckets=..., verify_kernel=...)`).
@@ -34,7 +39,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..caches.walk import leaves
-from ..kernels.verify_attention import attention_for_device, supported, takes
+from ..kernels.verify_attention import attention_for_device, causal_attention, supported, takes
 from .routing import ROUTES, attention_routed
 from .swap import swapped
 
@@ -148,6 +153,8 @@ class _BucketedBatchKV(BatchKVCache):
     _kvstate_bucket: Bucket
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if _kernel_takes(self, N, return_array, kwargs.get("window_size")):
+            return "causal"  # exact keys from each row's padding on (`_batch_verify_route`)
         end = self._idx + N
         self._kvstate_bucket.width = _width(end)
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
@@ -169,7 +176,22 @@ def _verify_route(queries: Any, keys: Any, values: Any, cache: Any, scale: float
     return None
 
 
+def _batch_verify_route(queries: Any, keys: Any, values: Any, cache: Any, scale: float,
+                        mask: Any, sinks: Any) -> Any:  # fmt: skip
+    """The routed attention of a `_BucketedBatchKV`: for its "causal" mask (the rows' left
+    padding is the cache's) the verify kernel, or where it cannot take the call MLX's
+    attention with that mask as an array; else None (mlx-lm's function, bucketed mask)."""
+    if not (isinstance(mask, str) and mask == "causal"):
+        return None
+    attend = cache._kvstate_bucket.kernel
+    first = cache.left_padding
+    if sinks is None and attend is not None and supported(queries, keys):
+        return attend(queries, keys, values, scale, first)
+    return causal_attention(queries, keys, values, scale, first, sinks)
+
+
 ROUTES[_BucketedKV] = _verify_route
+ROUTES[_BucketedBatchKV] = _batch_verify_route
 
 _BUCKETED = {KVCache: _BucketedKV, BatchKVCache: _BucketedBatchKV}
 

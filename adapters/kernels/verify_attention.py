@@ -9,8 +9,11 @@ the whole attention of a verify in one launch per layer, reading the cache's buf
 length is ever new to it (cuDNN builds a graph per length: see `instruments.buckets`).
 
 One thread block per (row, query head, query token); its warps take keys in turn, each with
-an online softmax over its keys, then the block combines the warps. Query token t of T sees
-keys 0 .. L - T + t (mlx-lm's bottom-right causal mask). float32 accumulation.
+an online softmax over its keys, then the block combines the warps. Query token t of T of
+row b sees keys first[b] .. L - T + t (mlx-lm's bottom-right causal mask; `first` a batch's
+left padding, mlx-lm's `BatchKVCache.left_padding`: a ragged batch's verify takes the same
+kernel, where its mask as an array would go to cuDNN, which builds a graph per shape).
+float32 accumulation.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 # Warps per block, each taking every WARPS-th key (MLX's own vector kernel's shape). Must be
 # 32: in the combine, warp w writes elements w * E .. w * E + E - 1 of the D = 32 * E outputs.
@@ -58,6 +62,7 @@ _SOURCE = """
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int last = L - T + t;  // the last key this query sees (bottom-right causal)
+  const int start = first[b];  // the first (the row's left padding)
 
   // exp2 of log2(e)-scaled scores: one multiply fewer per key
   const float sc = scale[0] * 1.4426950408889634f;
@@ -69,13 +74,13 @@ _SOURCE = """
     qv[i] = static_cast<float>(qp[(lane * E + i) * qs]) * sc;
     acc[i] = 0.0f;
   }
-  const InT* kp = k + b * k_strides[0] + kh * k_strides[1] + warp * k_strides[2];
-  const InT* vp = v + b * v_strides[0] + kh * v_strides[1] + warp * v_strides[2];
+  const InT* kp = k + b * k_strides[0] + kh * k_strides[1] + (start + warp) * k_strides[2];
+  const InT* vp = v + b * v_strides[0] + kh * v_strides[1] + (start + warp) * v_strides[2];
   const int64_t k_step = W * k_strides[2], v_step = W * v_strides[2];
 
   float m = -1e30f;  // finite: exp2(m - new max) stays 0, never NaN
   float s = 0.0f;
-  for (int j = warp; j <= last; j += W) {
+  for (int j = start + warp; j <= last; j += W) {
     float kv[E];
     #pragma unroll
     for (int i = 0; i < E; ++i) {
@@ -158,21 +163,28 @@ def supported(queries: mx.array, keys: mx.array) -> bool:
     )
 
 
-def attention_for_device() -> Callable[[mx.array, mx.array, mx.array, float], mx.array]:
+Attention = Callable[..., mx.array]
+"""`attend(queries, keys, values, scale, first=None)`: `verify_attention`'s signature."""
+
+
+def attention_for_device() -> Attention:
     """The verify attention for the default device: the kernel on CUDA; elsewhere MLX's own
-    attention with mlx-lm's "causal" mask (the same function; tests route through it)."""
+    attention with mlx-lm's masks (the same function; tests route through it)."""
     if mx.default_device() == mx.gpu and mx.cuda.is_available():
         return verify_attention
-    return _causal_attention
+    return causal_attention
 
 
-def verify_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+def verify_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, first: mx.array | None = None
+) -> mx.array:
     """softmax(q k^T * scale, bottom-right causal) v for q (B, Hq, T, D), k and v
-    (B, Hkv, L, D) with L >= T (see `supported`); (B, Hq, T, D) in q's dtype. CUDA only."""
+    (B, Hkv, L, D) with L >= T (see `supported`), row b's keys from `first[b]` on ((B,)
+    int32, each <= L - T; None: all); (B, Hq, T, D) in q's dtype. CUDA only."""
     B, Hq, T, D = queries.shape
     dtype = queries.dtype
     (out,) = _kernel()(
-        inputs=[queries, keys, values, _scale(scale)],
+        inputs=[queries, keys, values, _scale(scale), _zeros(B) if first is None else first],
         template=_template(dtype, D),
         grid=(32 * WARPS * Hq, T, B),
         threadgroup=_THREADGROUP,
@@ -182,10 +194,23 @@ def verify_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     return out
 
 
-def _causal_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float
+def causal_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    first: mx.array | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+    """What `verify_attention` computes, by MLX's own attention (any device, any size), with
+    `sinks` as mlx-lm passes them."""
+    mask: Any = "causal"
+    if first is not None:  # mlx-lm's BatchKVCache mask: causal, from each row's padding on
+        T, L = queries.shape[2], keys.shape[2]
+        mask = create_causal_mask(T, L - T, left_padding=first)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
 
 
 _THREADGROUP = (32 * WARPS, 1, 1)
@@ -202,10 +227,15 @@ def _scale(value: float) -> mx.array:
 
 
 @functools.cache
+def _zeros(rows: int) -> mx.array:
+    return mx.zeros((rows,), mx.int32)
+
+
+@functools.cache
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="kvstate_verify_attention",
-        input_names=["q", "k", "v", "scale"],
+        input_names=["q", "k", "v", "scale", "first"],
         output_names=["out"],
         source=_SOURCE,
         header=_HEADER,
