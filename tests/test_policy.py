@@ -280,6 +280,26 @@ def test_the_policy_is_not_stuck_by_the_compile_of_a_new_width():
     assert spans[-20:] == [4] * 20, spans
 
 
+def test_a_drafter_asked_for_half_the_span_verifies_all_it_was_asked_for():
+    """While one verify width is timed, the rule times a second at half its span: a drafter
+    that is not cheap is asked for that half, and the cut verifies every draft it asked for
+    (it used to halve the proposal again: 2 drafts where the rule wanted 8, then 4)."""
+    model = CostModel()
+    for _ in range(3):
+        model.observe(1, 0, 0.010)
+    for _ in range(2):
+        model.observe(1, 1, 0.011)
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0)  # the rounds below stay untimed
+    policy.begin(1)
+    history(policy, [[(K, K)] * 4])
+    assert model.widths(1) == 1 and policy.cost_ratio(K) < 1.5  # the rule wants every draft
+    asked = policy.depth(K, [100], cheap=False)
+    assert asked == K // 2
+    assert policy.cut([asked], [100]) == [K // 2]
+    assert policy.depth(K, [100], cheap=True) == K  # a cheap drafter's proposal: halved once
+    assert policy.cut([K], [100]) == [K // 2]
+
+
 def test_the_policy_times_rounds_with_its_clock():
     """An injected clock: plain steps take 10 ms, a verify of w drafts 10 * (1 + 0.5 w) ms;
     the policy's cost ratios follow them, and it stops drafting where drafts do not pay."""

@@ -307,6 +307,7 @@ class CostAwarePolicy:
         self._propose_times: deque[float] = deque(maxlen=9)
         self._pending: tuple[list[int], list[Any]] | None = None
         self._tree_paths: list[list[int]] | None = None
+        self._halved = False  # the depth asked was halved to time a second width (`_explored`)
 
     # -- the batch ---------------------------------------------------------------------
 
@@ -316,6 +317,7 @@ class CostAwarePolicy:
         self._row_labels = [{} for _ in range(rows)]
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = None
+        self._halved = False
         self.last = None
 
     def join(self, n: int) -> None:
@@ -359,14 +361,15 @@ class CostAwarePolicy:
         best, expected, ratio = self._best([[None] * d for d in limits], len(room))
         if best and self._calibrating(len(room), expected / ratio):
             best = 0
-        best = self._explored(len(room), best)
+        explored = self._explored(len(room), best)
         if cheap is None:
             cheap = self._cheap()
+        self._halved = not cheap and explored != best
         if cheap:
             return most
-        if best == 0 and self._probe_due():
+        if explored == 0 and self._probe_due():
             return min(most, 2)
-        return best
+        return explored
 
     def plain_ahead(self, k: int, room: Sequence[int]) -> bool:
         """Before a round's proposal, with no token of the last round read: whether the round
@@ -399,7 +402,10 @@ class CostAwarePolicy:
         span, expected, ratio = self._best(chains, rows)
         if span and self._calibrating(rows, expected / ratio):
             span, expected, ratio = 0, float(rows), 1.0
-        if self._explored(rows, span) != span:
+        # a depth halved already (the drafter was asked for the width to time) is not halved
+        # again: the proposal's span would be a quarter of the rule's, for as many rounds
+        halved, self._halved = self._halved, False
+        if not halved and self._explored(rows, span) != span:
             span = self._explored(rows, span)
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
