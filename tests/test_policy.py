@@ -300,6 +300,26 @@ def test_a_drafter_asked_for_half_the_span_verifies_all_it_was_asked_for():
     assert policy.cut([K], [100]) == [K // 2]
 
 
+def test_the_cut_keeps_the_depth_judged_for_a_drafter_that_is_not_cheap():
+    """Calibration is judged by the rule's span: where 2 drafts promise over 1.5x a plain
+    step's tokens per unit of time but 1 draft does not, and half the span (1) is to be timed,
+    the depth asks for 1 and the cut verifies it. It used to judge 1 draft's promise again
+    and take a plain step to calibrate; a plain step after a proposal is not pipelined, so
+    it is not timed, so the next round did the same (7 rounds in a row on the CPU)."""
+    model = CostModel(overhead=0.7, slope=0.5)  # with the timings below: 0.85 + 0.25 w
+    model.observe(1, 0, 0.010)  # one plain step timed: fewer than 3, so calibration may run
+    for _ in range(2):
+        model.observe(1, 2, 0.0135)  # one verify width timed: the exploration halves
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0, prior=0.64)
+    policy.begin(1)
+    policy.plain(1)
+    policy.observe([0])  # a first round, untimed (the clock stands still)
+    assert (policy.cost_ratio(1), policy.cost_ratio(2)) == pytest.approx((1.1, 1.35))
+    asked = policy.depth(K, [100], cheap=False)
+    assert asked == 1
+    assert policy.cut([asked], [100]) == [1]
+
+
 def test_the_policy_times_rounds_with_its_clock():
     """An injected clock: plain steps take 10 ms, a verify of w drafts 10 * (1 + 0.5 w) ms;
     the policy's cost ratios follow them, and it stops drafting where drafts do not pay."""

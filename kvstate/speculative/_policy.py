@@ -307,7 +307,7 @@ class CostAwarePolicy:
         self._propose_times: deque[float] = deque(maxlen=9)
         self._pending: tuple[list[int], list[Any]] | None = None
         self._tree_paths: list[list[int]] | None = None
-        self._halved = False  # the depth asked was halved to time a second width (`_explored`)
+        self._judged = False  # `depth` judged calibration and exploration for the cut
 
     # -- the batch ---------------------------------------------------------------------
 
@@ -317,7 +317,7 @@ class CostAwarePolicy:
         self._row_labels = [{} for _ in range(rows)]
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = None
-        self._halved = False
+        self._judged = False
         self.last = None
 
     def join(self, n: int) -> None:
@@ -364,7 +364,7 @@ class CostAwarePolicy:
         explored = self._explored(len(room), best)
         if cheap is None:
             cheap = self._cheap()
-        self._halved = not cheap and explored != best
+        self._judged = not cheap
         if cheap:
             return most
         if explored == 0 and self._probe_due():
@@ -400,12 +400,15 @@ class CostAwarePolicy:
         row_labels = _labels_of(labels, rows)
         chains = [[row_labels[b]] * usable[b] for b in range(rows)]
         span, expected, ratio = self._best(chains, rows)
-        if span and self._calibrating(rows, expected / ratio):
+        # A drafter that is not cheap was asked for what `depth` judged by the rule's own
+        # span (a plain step to calibrate, or half the span to time a second width): judged
+        # again on the shorter proposal, the cut would halve a halved span, or calibrate on
+        # the half's promise with a plain step that follows a proposal, so is not pipelined,
+        # so is never timed, round after round.
+        judged, self._judged = self._judged, False
+        if not judged and span and self._calibrating(rows, expected / ratio):
             span, expected, ratio = 0, float(rows), 1.0
-        # a depth halved already (the drafter was asked for the width to time) is not halved
-        # again: the proposal's span would be a quarter of the rule's, for as many rounds
-        halved, self._halved = self._halved, False
-        if not halved and self._explored(rows, span) != span:
+        if not judged and self._explored(rows, span) != span:
             span = self._explored(rows, span)
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
