@@ -171,6 +171,24 @@ def test_held_back_rows_probe_more_rarely_after_failed_probes_and_resume_after_r
     assert recovered[-1] == K
 
 
+def test_probes_that_keep_a_draft_but_leave_drafts_unpaid_still_grow_apart():
+    """A poor drafter's probe keeps a draft now and then: where verifies are dear (0.6 of a
+    plain step a draft) one of two drafts kept does not make drafts pay, so the probes keep
+    growing apart (they used to come back to every `probe` rounds after any draft kept)."""
+    policy = CostAwarePolicy(cost=linear(0.6), probe=4, probe_most=32)
+    policy.begin(1)
+    history(policy, [[(K, 0)] * 6])
+    probes = []
+    for i in range(120):
+        span = max(policy.cut([K], [1000]))
+        if span:
+            probes.append(i)
+        policy.observe([min(span, 1)])  # each probe keeps 1 of its 2 drafts
+        assert policy.last is not None and (span == 0 or policy.last.probe)
+    gaps = np.diff(probes).tolist()
+    assert gaps[:3] == [8, 16, 32] and all(g == 32 for g in gaps[3:]), probes
+
+
 def test_a_drafter_confidence_label_with_good_history_lifts_a_row():
     """Labels (an n-gram match's length and count) carry their own acceptance: a row whose
     drafts failed lately (short matches) still drafts after a label whose drafts were
