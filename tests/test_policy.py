@@ -171,6 +171,24 @@ def test_held_back_rows_probe_more_rarely_after_failed_probes_and_resume_after_r
     assert recovered[-1] == K
 
 
+def test_probes_that_keep_a_draft_but_leave_drafts_unpaid_still_grow_apart():
+    """A poor drafter's probe keeps a draft now and then: where verifies are dear (0.6 of a
+    plain step a draft) one of two drafts kept does not make drafts pay, so the probes keep
+    growing apart (they used to come back to every `probe` rounds after any draft kept)."""
+    policy = CostAwarePolicy(cost=linear(0.6), probe=4, probe_most=32)
+    policy.begin(1)
+    history(policy, [[(K, 0)] * 6])
+    probes = []
+    for i in range(120):
+        span = max(policy.cut([K], [1000]))
+        if span:
+            probes.append(i)
+        policy.observe([min(span, 1)])  # each probe keeps 1 of its 2 drafts
+        assert policy.last is not None and (span == 0 or policy.last.probe)
+    gaps = np.diff(probes).tolist()
+    assert gaps[:3] == [8, 16, 32] and all(g == 32 for g in gaps[3:]), probes
+
+
 def test_a_drafter_confidence_label_with_good_history_lifts_a_row():
     """Labels (an n-gram match's length and count) carry their own acceptance: a row whose
     drafts failed lately (short matches) still drafts after a label whose drafts were
@@ -278,6 +296,46 @@ def test_the_policy_is_not_stuck_by_the_compile_of_a_new_width():
         policy.observe([span] * rows)
         spans.append(span)
     assert spans[-20:] == [4] * 20, spans
+
+
+def test_a_drafter_asked_for_half_the_span_verifies_all_it_was_asked_for():
+    """While one verify width is timed, the rule times a second at half its span: a drafter
+    that is not cheap is asked for that half, and the cut verifies every draft it asked for
+    (it used to halve the proposal again: 2 drafts where the rule wanted 8, then 4)."""
+    model = CostModel()
+    for _ in range(3):
+        model.observe(1, 0, 0.010)
+    for _ in range(2):
+        model.observe(1, 1, 0.011)
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0)  # the rounds below stay untimed
+    policy.begin(1)
+    history(policy, [[(K, K)] * 4])
+    assert model.widths(1) == 1 and policy.cost_ratio(K) < 1.5  # the rule wants every draft
+    asked = policy.depth(K, [100], cheap=False)
+    assert asked == K // 2
+    assert policy.cut([asked], [100]) == [K // 2]
+    assert policy.depth(K, [100], cheap=True) == K  # a cheap drafter's proposal: halved once
+    assert policy.cut([K], [100]) == [K // 2]
+
+
+def test_the_cut_keeps_the_depth_judged_for_a_drafter_that_is_not_cheap():
+    """Calibration is judged by the rule's span: where 2 drafts promise over 1.5x a plain
+    step's tokens per unit of time but 1 draft does not, and half the span (1) is to be timed,
+    the depth asks for 1 and the cut verifies it. It used to judge 1 draft's promise again
+    and take a plain step to calibrate; a plain step after a proposal is not pipelined, so
+    it is not timed, so the next round did the same (7 rounds in a row on the CPU)."""
+    model = CostModel(overhead=0.7, slope=0.5)  # with the timings below: 0.85 + 0.25 w
+    model.observe(1, 0, 0.010)  # one plain step timed: fewer than 3, so calibration may run
+    for _ in range(2):
+        model.observe(1, 2, 0.0135)  # one verify width timed: the exploration halves
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0, prior=0.64)
+    policy.begin(1)
+    policy.plain(1)
+    policy.observe([0])  # a first round, untimed (the clock stands still)
+    assert (policy.cost_ratio(1), policy.cost_ratio(2)) == pytest.approx((1.1, 1.35))
+    asked = policy.depth(K, [100], cheap=False)
+    assert asked == 1
+    assert policy.cut([asked], [100]) == [1]
 
 
 def test_the_policy_times_rounds_with_its_clock():

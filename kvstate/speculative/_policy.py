@@ -18,9 +18,9 @@ ones; a prior line only until the first timings.
 A verify feeds every row 1 + span tokens, so a round's cost is set by its widest row: the
 round picks the span w maximising sum over rows of E[tokens of row b | min(w, drafted[b])]
 divided by cost(w), and every row drafts up to w. The held-back rows (span 0) probe on
-rounds spaced `probe`, 2 * `probe`, ... rounds apart (doubling after a probe whose drafts were
-all rejected, back to `probe` after one that kept some), so the policy resumes drafting when
-the drafter recovers.
+rounds spaced `probe`, 2 * `probe`, ... rounds apart (doubling after a probe after which drafts
+still do not pay, back to `probe` after one after which they do), so the policy resumes
+drafting when the drafter recovers.
 
 Exact by construction: the policy only chooses how many of the drafts to verify, from what
 happened in earlier rounds and the drafter's deterministic confidence (never from a sampled
@@ -269,7 +269,7 @@ class CostAwarePolicy:
     time source (seconds), injectable for tests; `memory`: the weight of a row's older
     drafts per draft verified since (0.9: about the last ten count); `prior` / `prior_weight`: a new row's acceptance belief
     (its mean and its weight in draft tries); `probe`: rounds between probes of held-back
-    rows (doubling after a failed probe, up to `probe_most`)."""
+    rows (doubling after a probe after which drafts still do not pay, up to `probe_most`)."""
 
     def __init__(
         self,
@@ -307,6 +307,8 @@ class CostAwarePolicy:
         self._propose_times: deque[float] = deque(maxlen=9)
         self._pending: tuple[list[int], list[Any]] | None = None
         self._tree_paths: list[list[int]] | None = None
+        self._judged = False  # `depth` judged calibration and exploration for the cut
+        self._probed: list[list[Any]] | None = None  # a probe's rows: their drafts' labels
 
     # -- the batch ---------------------------------------------------------------------
 
@@ -315,7 +317,8 @@ class CostAwarePolicy:
         self._rows = [_Rate() for _ in range(rows)]
         self._row_labels = [{} for _ in range(rows)]
         self._interval, self._since, self._rounds = self.probe, 0, 0
-        self._pending = self._tree_paths = None
+        self._pending = self._tree_paths = self._probed = None
+        self._judged = False
         self.last = None
 
     def join(self, n: int) -> None:
@@ -359,14 +362,15 @@ class CostAwarePolicy:
         best, expected, ratio = self._best([[None] * d for d in limits], len(room))
         if best and self._calibrating(len(room), expected / ratio):
             best = 0
-        best = self._explored(len(room), best)
+        explored = self._explored(len(room), best)
         if cheap is None:
             cheap = self._cheap()
+        self._judged = not cheap
         if cheap:
             return most
-        if best == 0 and self._probe_due():
+        if explored == 0 and self._probe_due():
             return min(most, 2)
-        return best
+        return explored
 
     def plain_ahead(self, k: int, room: Sequence[int]) -> bool:
         """Before a round's proposal, with no token of the last round read: whether the round
@@ -397,15 +401,22 @@ class CostAwarePolicy:
         row_labels = _labels_of(labels, rows)
         chains = [[row_labels[b]] * usable[b] for b in range(rows)]
         span, expected, ratio = self._best(chains, rows)
-        if span and self._calibrating(rows, expected / ratio):
+        # A drafter that is not cheap was asked for what `depth` judged by the rule's own
+        # span (a plain step to calibrate, or half the span to time a second width): judged
+        # again on the shorter proposal, the cut would halve a halved span, or calibrate on
+        # the half's promise with a plain step that follows a proposal, so is not pipelined,
+        # so is never timed, round after round.
+        judged, self._judged = self._judged, False
+        if not judged and span and self._calibrating(rows, expected / ratio):
             span, expected, ratio = 0, float(rows), 1.0
-        if self._explored(rows, span) != span:
+        if not judged and self._explored(rows, span) != span:
             span = self._explored(rows, span)
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
         probe = False
+        self._probed = None
         if span == 0 and max(usable, default=0) > 0 and self._probe_due():
-            span, probe = min(max(usable), 2), True
+            span, probe, self._probed = min(max(usable), 2), True, chains
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
         out = [min(u, span) for u in usable]
@@ -447,9 +458,17 @@ class CostAwarePolicy:
                 self._labels.setdefault(labels[b], _Rate()).add(a, tries, 0.99)
                 mine = self._row_labels[b].setdefault(labels[b], _Rate())
                 mine.add(a, tries, self.memory)
+        probed, self._probed = self._probed, None
         if probe:
-            kept = sum(accepted)
-            self._interval = self.probe if kept else min(self.probe_most, 2 * self._interval)
+            # Probes come back to every `probe` rounds once the drafts pay again, not after
+            # any draft kept: a poor drafter keeps one now and then (at p = 0.2 one probe in
+            # five), and each such probe brought them back to every 8 rounds, where each costs
+            # half a plain step or more (a verify of 2 drafts on the CPU: 1.7 plain steps).
+            if probed is not None:
+                resumed = self._best(probed, len(accepted))[0] > 0
+            else:  # a tree's probe
+                resumed = sum(accepted) > 0
+            self._interval = self.probe if resumed else min(self.probe_most, 2 * self._interval)
 
     # -- tree mode ------------------------------------------------------------------------
 
@@ -459,6 +478,7 @@ class CostAwarePolicy:
         expected tokens of m paths follow the per-draft acceptance learnt for trees of m
         paths (every tree round also tells what its narrower subtrees would have kept)."""
         self._proposed_at = self.clock()
+        self._probed = None
         paths = root_to_leaf_paths(tree) if tree.tokens else []
         most = max(0, room - 1)
         paths = [p[:most] for p in paths if most > 0]
