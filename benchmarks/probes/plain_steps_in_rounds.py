@@ -21,12 +21,9 @@ import time
 from collections.abc import Callable
 
 import _on_path  # noqa: F401  (benchmarks/ on the path, for policy and _fixtures)
-import numpy as np
 from _fixtures import OracleDrafter
-from policy import HYBRID
+from _hybrid_run import hybrid_run
 
-from kvstate.adapters import wrap
-from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import CostAwarePolicy, FixedCost, generate
 
 
@@ -35,12 +32,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    model = tiny_model("qwen3_next", **HYBRID["small"])
-    vocab = int(model.args.vocab_size)
-    target = wrap(model)
     n = args.tokens
-    prompt = [int(t) for t in np.random.default_rng(0).integers(1, vocab, 32)]
-    truth = [t.token for r in generate(target, [prompt], None, max_tokens=n + 9) for t in r]
+    target, vocab, prompt, truth = hybrid_run(n)
     drafted = [0]
 
     def rounds() -> None:

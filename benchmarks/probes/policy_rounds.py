@@ -21,12 +21,9 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import _on_path  # noqa: F401  (benchmarks/ on the path, for policy and _fixtures)
-import numpy as np
 from _fixtures import OracleDrafter
-from policy import HYBRID
+from _hybrid_run import hybrid_run
 
-from kvstate.adapters import wrap
-from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import CostAwarePolicy, generate
 
 
@@ -120,12 +117,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--trace", action="store_true", help="print every round")
     args = parser.parse_args()
-    model = tiny_model("qwen3_next", **HYBRID["small"])
-    vocab = int(model.args.vocab_size)
-    target = wrap(model)
     n = args.tokens
-    prompt = [int(t) for t in np.random.default_rng(0).integers(1, vocab, 32)]
-    truth = [t.token for r in generate(target, [prompt], None, max_tokens=n + 9) for t in r]
+    target, vocab, prompt, truth = hybrid_run(n)
     list(generate(target, [prompt], OracleDrafter(truth, 0.5, vocab), max_tokens=n))  # warm
     for p in (float(x) for x in args.p.split(",")):
         for rep in range(args.reps):

@@ -26,12 +26,9 @@ from functools import partial
 from typing import Any
 
 import _on_path  # noqa: F401  (benchmarks/ on the path, for policy and _fixtures)
-import numpy as np
 from _fixtures import OracleDrafter
-from policy import HYBRID
+from _hybrid_run import hybrid_run
 
-from kvstate.adapters import wrap
-from kvstate.adapters.tiny_models import tiny_model
 from kvstate.speculative import generate
 
 NEAR_BEST = {0.2: [1], 0.5: [1, 2], 0.8: [2, 3, 4, 5], 0.95: [5, 6, 7, 8]}  # fixed k timed
@@ -49,12 +46,8 @@ def main() -> None:
         name, spec = item.split("=")
         module, cls = spec.split(":")
         policies[name] = getattr(importlib.import_module(module), cls)
-    model = tiny_model("qwen3_next", **HYBRID["small"])
-    vocab = int(model.args.vocab_size)
-    target = wrap(model)
     n = args.tokens
-    prompt = [int(t) for t in np.random.default_rng(0).integers(1, vocab, 32)]
-    truth = [t.token for r in generate(target, [prompt], None, max_tokens=n + 9) for t in r]
+    target, vocab, prompt, truth = hybrid_run(n)
     seed = [0]
 
     def ours(drafter: Any, **kw: Any) -> list[int]:
