@@ -229,6 +229,59 @@ def test_a_plain_step_is_known_ahead_only_when_no_label_would_pay():
     assert not learnt([(3, 3), (1, 1)], True).plain_ahead(K, [100])  # (3, 3) pays
 
 
+def test_every_decision_says_why():
+    """`Decision.reason`: the rule's span ("drafts pay"), the rule's plain step ("drafts do
+    not pay"), no draft or no room ("nothing drafted"), a plain step to time one
+    ("calibrating"), half the span to time a second width ("exploring"), a probe."""
+
+    def why(policy: CostAwarePolicy) -> str:
+        assert policy.last is not None
+        return policy.last.reason
+
+    policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16)
+    policy.begin(1)
+    assert policy.depth(K, [1]) == 0
+    policy.plain(1)
+    assert why(policy) == "nothing drafted"
+    policy.cut([0], [100])
+    assert why(policy) == "nothing drafted"
+    history(policy, [[(K, K)] * 6])
+    policy.cut([K], [100])
+    assert why(policy) == "drafts pay"
+    history(policy, [[(K, 0)] * 30])
+    reasons = []
+    for _ in range(8):
+        span = max(policy.cut([K], [1000]))
+        reasons.append(why(policy))
+        policy.observe([0] * (span >= 0))
+    assert set(reasons) == {"drafts do not pay", "probe"}, reasons
+    assert policy.depth(K, [100], cheap=False) == 0
+    policy.plain(1)
+    assert why(policy) == "drafts do not pay"
+
+    model = CostModel(overhead=0.7, slope=0.5)  # one plain step timed: calibration may run
+    model.observe(1, 0, 0.010)
+    for width in (1, 2, 1, 2):
+        model.observe(1, width, 0.010 * (0.85 + 0.25 * width))
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0, prior=0.5)
+    policy.begin(1)
+    policy.plain(1)
+    policy.observe([0])  # a first round (untimed: the clock stands still)
+    assert policy.cut([1], [100]) == [0]  # 1 draft promises 1.5 / 1.1 < 1.5x: calibrate
+    assert why(policy) == "calibrating"
+
+    model = CostModel()  # one verify width timed: the rule's span is halved to time another
+    for width, times in ((0, 3), (1, 2)):
+        for _ in range(times):
+            model.observe(1, width, 0.010 * (1 + 0.1 * width))
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0)
+    policy.begin(1)
+    history(policy, [[(K, K)] * 4])
+    asked = policy.depth(K, [100], cheap=False)
+    policy.cut([asked], [100])
+    assert asked == K // 2 and why(policy) == "exploring"
+
+
 def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
     """Scripted timings: a plain step 10 ms, a verify of w drafts 10 * (1.2 + 0.3 w) ms, and
     one round in four stalled 3x to 6x (a shared machine): the estimates stay within 5%,

@@ -52,6 +52,10 @@ class Decision(NamedTuple):
     expected: the expected tokens of the round (all rows), for that span.
     ratio: the estimated cost of the round relative to a plain step.
     probe: whether it was a probe of held-back rows.
+    reason: why that span: "drafts pay" (the span the rule chose),
+    "drafts do not pay" (a plain step by the rule), "nothing drafted" (no row had a draft
+    or room for one), "calibrating" (a plain step to time one), "exploring" (half the
+    rule's span, to time a second width), "probe" (held-back rows tried).
     """
 
     asked: int
@@ -60,6 +64,7 @@ class Decision(NamedTuple):
     expected: float
     ratio: float
     probe: bool
+    reason: str = "drafts pay"
 
 
 class CostModel:
@@ -309,6 +314,7 @@ class CostAwarePolicy:
         self._tree_paths: list[list[int]] | None = None
         self._judged = False  # `depth` judged calibration and exploration for the cut
         self._probed: list[list[Any]] | None = None  # a probe's rows: their drafts' labels
+        self._why = "nothing drafted"  # why `depth` asked what it asked (`Decision.reason`)
 
     # -- the batch ---------------------------------------------------------------------
 
@@ -319,6 +325,7 @@ class CostAwarePolicy:
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = self._probed = None
         self._judged = False
+        self._why = "nothing drafted"
         self.last = None
 
     def join(self, n: int) -> None:
@@ -358,17 +365,22 @@ class CostAwarePolicy:
         limits = [max(0, min(k, r - 1)) for r in room]
         most = max(limits, default=0)
         if most == 0:
+            self._why = "nothing drafted"
             return 0
         best, expected, ratio = self._best([[None] * d for d in limits], len(room))
+        self._why = "drafts pay" if best else "drafts do not pay"
         if best and self._calibrating(len(room), expected / ratio):
-            best = 0
+            best, self._why = 0, "calibrating"
         explored = self._explored(len(room), best)
+        if explored != best:
+            self._why = "exploring"
         if cheap is None:
             cheap = self._cheap()
         self._judged = not cheap
         if cheap:
             return most
         if explored == 0 and self._probe_due():
+            self._why = "probe"
             return min(most, 2)
         return explored
 
@@ -407,26 +419,33 @@ class CostAwarePolicy:
         # the half's promise with a plain step that follows a proposal, so is not pipelined,
         # so is never timed, round after round.
         judged, self._judged = self._judged, False
+        why = "drafts pay" if span else "drafts do not pay"
+        if judged and self._why in ("calibrating", "exploring"):
+            why = self._why  # the proposal was asked short for it
         if not judged and span and self._calibrating(rows, expected / ratio):
-            span, expected, ratio = 0, float(rows), 1.0
+            span, expected, ratio, why = 0, float(rows), 1.0, "calibrating"
         if not judged and self._explored(rows, span) != span:
-            span = self._explored(rows, span)
+            span, why = self._explored(rows, span), "exploring"
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
         probe = False
         self._probed = None
         if span == 0 and max(usable, default=0) > 0 and self._probe_due():
-            span, probe, self._probed = min(max(usable), 2), True, chains
+            span, probe, self._probed, why = min(max(usable), 2), True, chains, "probe"
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
+        if max(usable, default=0) == 0:
+            why = "nothing drafted"
         out = [min(u, span) for u in usable]
-        self.last = Decision(max(counts, default=0), out, span, expected, ratio, probe)
+        self.last = Decision(max(counts, default=0), out, span, expected, ratio, probe, why)
         self._pending = (out, row_labels)
         return out
 
     def plain(self, rows: int) -> None:
         """The round is a plain step (nothing asked or nothing drafted)."""
-        self.last = Decision(0, [0] * rows, 0, float(rows), 1.0, False)
+        # not asked (the rule, calibration, no room), or asked and nothing came back
+        why = self._why if self._why in ("drafts do not pay", "calibrating") else "nothing drafted"
+        self.last = Decision(0, [0] * rows, 0, float(rows), 1.0, False, why)
         self._pending = ([0] * rows, [None] * rows)
 
     def observe(
@@ -500,8 +519,9 @@ class CostAwarePolicy:
         kept = [p[:d] for p in paths[:m]]
         self._tree_paths = kept
         expected = 1.0 + sum(self._width_alpha(max(m, 1)) ** i for i in range(1, d + 1))
+        why = "probe" if probe else "drafts pay" if m else "drafts do not pay"
         self.last = Decision(len(tree.tokens), [nodes], nodes, expected if m else 1.0,
-                             ratio if m else 1.0, probe)  # fmt: skip
+                             ratio if m else 1.0, probe, why if paths else "nothing drafted")  # fmt: skip
         self._pending = ([nodes], [None])
         return DraftTree(*tree_of_paths(kept))
 
