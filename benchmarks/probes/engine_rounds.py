@@ -71,6 +71,7 @@ class Timed:
         self.kinds: dict[str, list[float]] = {"plain": [], "verify": []}
         self.acceptance = 0.0
         self.rounds: Counter[int] = Counter()  # steps by the policy's span
+        self.reasons: Counter[str] = Counter()  # steps by the policy's reason for its span
         self.costs = ""
 
 
@@ -81,6 +82,7 @@ def run_engine(target: Any, work: Work, rows: int, **options: Any) -> Timed:
     started = time.perf_counter()
     full = False
     spans: list[int] = []  # each step's verified span (-1: not the policy's)
+    reasons: list[str] = []  # each step's `Decision.reason`
     while engine.has_work():
         t0 = time.perf_counter()
         engine.step()
@@ -89,11 +91,14 @@ def run_engine(target: Any, work: Work, rows: int, **options: Any) -> Timed:
             out.kinds["verify" if engine._depth else "plain"].append(took)
             last = engine.policy.last if engine.policy is not None else None
             spans.append(-1 if last is None else last.span)
+            if last is not None:
+                reasons.append(last.reason)
         full = full or len(engine.running) == min(rows, len(work))
     out.seconds = time.perf_counter() - started
     out.tokens = [list(r.tokens) for r in requests]
     out.acceptance = engine.stats()["acceptance"]
     out.rounds = Counter(spans)
+    out.reasons = Counter(reasons)
     if engine.policy is not None:
         out.costs = cost_table(engine.policy)
     return out
@@ -226,7 +231,8 @@ def measure_kind(target: Any, work: Work, kind: str, args: Any) -> None:
                 f"({count / got.seconds:.0f} tok/s) "
                 f"acceptance {got.acceptance:.2f} {rounds} rows as the first run {same}/{len(want)}"
                 + (
-                    f"\n    spans {dict(sorted(got.rounds.items()))} costs {got.costs}"
+                    f"\n    spans {dict(sorted(got.rounds.items()))} "
+                    f"reasons {dict(got.reasons.most_common())} costs {got.costs}"
                     if got.costs
                     else ""
                 ),
