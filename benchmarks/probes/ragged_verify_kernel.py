@@ -6,9 +6,12 @@
    for each (rows, width) the first forward at that shape (compiles, cuDNN graph builds) and
    the median of `--reps` more, with the kernel route (the default on CUDA) and without it
    (cuDNN over bucketed array masks, as before), and the max difference of their logits.
+   `--reference float32`: both also against the same model in float32 through MLX's own
+   attention (run with MLX_ENABLE_TF32=0): max difference and argmax agreement, so a bf16
+   difference between the two routes can be told apart from either route erring.
 
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks KVSTATE_MODEL_CACHE=/tmp/models \\
-        python3 benchmarks/probes/ragged_verify_kernel.py
+        python3 benchmarks/probes/ragged_verify_kernel.py [--reference float32]
     .venv/bin/python benchmarks/probes/ragged_verify_kernel.py --model tiny --rows 2 --widths 2
 """
 
@@ -87,13 +90,19 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 3, 5, 9])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--no-kernel-check", action="store_true")
+    parser.add_argument("--reference", default=None, help="a dtype to compare both routes with")
     args = parser.parse_args()
     if not args.no_kernel_check and mx.cuda.is_available():
         kernel_check()
     model, _ = model_of(args.model, args.dtype)
     routed, bucketed = wrap(model), wrap(model, verify_kernel=False)
+    reference = None
+    if args.reference:
+        reference = wrap(model_of(args.model, args.reference)[0], verify_kernel=False)
     for rows in args.rows:
         state, ids = ragged(routed, rows, routed.vocab_size)
+        if reference is not None:
+            reference_state = ragged(reference, rows, routed.vocab_size)[0]  # the same prompts
         for w in args.widths:
             out: dict[str, Any] = {}
             figures = []
@@ -114,6 +123,14 @@ def main() -> None:
                 figures.append(f"{name} first {first:.1f} ms, then {steady:.2f} ms")
             diff = float(mx.abs(out["kernel"].astype(mx.float32) - out["cuDNN"]).max())
             say(f"rows={rows} w={w}: {'; '.join(figures)}; logits differ by {diff:.2e}")
+            if reference is not None:
+                want = reference(ids[:, :w], reference_state)[0].astype(mx.float32)
+                for name, got in out.items():
+                    got = got.astype(mx.float32)
+                    err = float(mx.abs(got - want).max())
+                    same = float(mx.mean(got.argmax(-1) == want.argmax(-1)))
+                    say(f"    {name} against {args.reference}: max difference {err:.3f}, "
+                        f"argmax agrees at {same:.3f} of positions")  # fmt: skip
 
 
 if __name__ == "__main__":
