@@ -327,6 +327,29 @@ def test_every_decision_says_why():
     assert asked == K // 2 and why(policy) == "exploring"
 
 
+def test_calibration_counts_the_plain_steps_of_every_batch_size():
+    """Calibration (plain steps taken to time one) counts the plain steps timed at every
+    batch size: in the engine's batch, rows come and go, and each batch size used to ask for
+    its own three (31-48 plain rounds a run on the H200 where fixed k took none). Here 8 rows
+    have three plain steps timed, 7 rows one, and both the same verifies: at 7 rows the
+    drafts that pay (1.35x a plain step's tokens per unit of time, under the 1.5x beyond
+    which calibration never runs) are verified, not put off for a plain step."""
+    model = CostModel()
+    for rows, plain in ((8, 3), (7, 1)):
+        for _ in range(plain):
+            model.observe(rows, 0, 0.010)
+        for width, seconds in ((2, 0.013), (4, 0.015), (2, 0.013), (4, 0.015)):
+            model.observe(rows, width, seconds)
+    assert model.plain_timings(7) == 4 and model.widths(7) == 2
+    assert model.ratio(7, 2) == pytest.approx(1.3)
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0)  # the rounds below stay untimed
+    policy.begin(7)
+    policy.plain(7)
+    policy.observe([0] * 7)  # a first round
+    assert policy.cut([K] * 7, [100] * 7) == [2] * 7
+    assert policy.last is not None and policy.last.reason == "drafts pay"
+
+
 def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
     """Scripted timings: a plain step 10 ms, a verify of w drafts 10 * (1.2 + 0.3 w) ms, and
     one round in four stalled 3x to 6x (a shared machine): the estimates stay within 5%,

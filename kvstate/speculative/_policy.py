@@ -130,10 +130,11 @@ class CostModel:
         self._cache.pop(rows, None)
 
     def plain_timings(self, rows: int) -> int:
-        """How many plain steps over `rows` rows (or the nearest batch size timed) are kept."""
-        table = self._times.get(self._nearest(rows), {})
-        return len(table.get(0, ())) or max((len(t.get(0, ())) for t in self._times.values()),
-                                            default=0)  # fmt: skip
+        """How many plain steps are kept, over every batch size: what calibration counts (a
+        batch of rows that come and go meets many batch sizes, and each used to ask for its
+        own few plain steps; a plain step's figure at one is the nearest one's until its own
+        plain steps come, as the policy's ordinary plain rounds and probes bring them)."""
+        return sum(len(t.get(0, ())) for t in self._times.values())
 
     def plain_age(self, rows: int) -> int:
         """Rounds timed since the last plain step was (any batch size; large: never)."""
