@@ -20,11 +20,11 @@ round picks the span w maximising sum over rows of E[tokens of row b | min(w, dr
 divided by cost(w), and every row drafts up to w. The held-back rows (span 0) probe on
 rounds spaced `probe`, 2 * `probe`, ... rounds apart (doubling after a probe after which drafts
 still do not pay, back to `probe` after one after which they do), so the policy resumes
-drafting when the drafter recovers. A probe is priced as any round is: where it is expected
-to cost `loss` plain steps more than its tokens are worth (a verify dear against a plain
-step, drafts rarely kept), probes stay at least `loss / probe_budget` rounds apart (so they
-spend about `probe_budget` of the time at most); and none is taken in a row's last `probe`
-tokens, too few rounds to use what it finds.
+drafting when the drafter recovers. After a probe that failed, probes are priced as any
+round is: where one is expected to cost `loss` plain steps more than its tokens are worth (a
+verify dear against a plain step, drafts rarely kept), they stay at least
+`loss / probe_budget` rounds apart (so they spend about `probe_budget` of the time at most);
+and none is taken in a row's last `probe` tokens, too few rounds to use what it finds.
 
 Exact by construction: the policy only chooses how many of the drafts to verify, from what
 happened in earlier rounds and the drafter's deterministic confidence (never from a sampled
@@ -280,9 +280,9 @@ class CostAwarePolicy:
     drafts per draft verified since (0.9: about the last ten count); `prior` / `prior_weight`: a new row's acceptance belief
     (its mean and its weight in draft tries); `probe`: rounds between probes of held-back
     rows (doubling after a probe after which drafts still do not pay, up to `probe_most`);
-    `probe_budget`: the share of the time probes may lose at most (a probe expected to lose
-    `loss` plain steps comes at least `loss / probe_budget` rounds after the last drafts,
-    up to `probe_most`; `math.inf`: probes are not priced)."""
+    `probe_budget`: the share of the time probes may lose at most (after a failed probe, a
+    probe expected to lose `loss` plain steps comes at least `loss / probe_budget` rounds
+    after the last drafts, up to `probe_most`; `math.inf`: probes are not priced)."""
 
     def __init__(
         self,
@@ -634,10 +634,15 @@ class CostAwarePolicy:
 
     def _probe_due(self, left: int, rows: int) -> bool:
         """Whether held-back rows probe this round: `interval` rounds after the last drafts
-        (or more, where a probe is dear: see `probe_budget`), and the rows have more than
-        `probe` tokens left (`left`) to use what it finds."""
+        (or more, once a probe has failed, where a probe is dear: see `probe_budget`), and the
+        rows have more than `probe` tokens left (`left`) to use what it finds. The first
+        probe after drafts stopped is not priced: drafts paid a few rounds ago, and an
+        estimate that dipped by chance (at p = 0.8 one does every few dozen rounds) would
+        otherwise hold a good drafter back for `loss / probe_budget` rounds."""
         if left <= self.probe or self._since + 1 < self._interval:
             return False
+        if self._interval <= self.probe:
+            return True
         # a probe of 2 drafts: its cost over its tokens' worth at the rows' acceptance, in plain steps
         tokens = sum(self._expected(b, [None] * 2) for b in range(rows))
         loss = self.cost.ratio(rows, 2) - tokens / max(1, rows)
