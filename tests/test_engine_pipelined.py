@@ -6,6 +6,7 @@ between such steps; every request keeps the tokens it gets alone."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -34,8 +35,9 @@ def alone(target: Any, prompt: tuple[int, ...], params: RequestParams) -> list[i
 
 
 def drafts_never_pay() -> CostAwarePolicy:
-    """A policy that takes plain steps but for its probes (a verify costs 100 steps)."""
-    return CostAwarePolicy(cost=FixedCost(lambda w: 100.0, plain=1.0))
+    """A policy that takes plain steps but for its probes (a verify costs 100 steps; probes
+    not priced, `probe_budget=math.inf`: priced, none would come within a run here)."""
+    return CostAwarePolicy(cost=FixedCost(lambda w: 100.0, plain=1.0), probe_budget=math.inf)
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram"])

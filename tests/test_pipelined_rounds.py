@@ -6,6 +6,7 @@ stay the plain decode's: greedy and sampled, rows ending at their eos or budget 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -25,8 +26,9 @@ def target() -> Any:
 
 
 def drafts_never_pay() -> CostAwarePolicy:
-    """A policy that takes plain steps but for its probes (a verify costs 100 steps)."""
-    return CostAwarePolicy(cost=FixedCost(lambda w: 100.0, plain=1.0))
+    """A policy that takes plain steps but for its probes (a verify costs 100 steps; probes
+    not priced, `probe_budget=math.inf`: priced, none would come within a run here)."""
+    return CostAwarePolicy(cost=FixedCost(lambda w: 100.0, plain=1.0), probe_budget=math.inf)
 
 
 def rows_of(target: Any, drafter: Any, **options: Any) -> list[list[int]]:

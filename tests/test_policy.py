@@ -6,6 +6,7 @@ the target's sampling distribution (exact tests, `stats`)."""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -146,8 +147,9 @@ def test_rows_that_draft_and_rows_that_do_not_share_the_span_that_pays_the_batch
 
 def test_held_back_rows_probe_more_rarely_after_failed_probes_and_resume_after_recovery():
     """All drafts rejected: plain steps, but for probes spaced `probe`, 2 * probe, 4 *
-    probe... rounds apart; once a probe is accepted, the row drafts again."""
-    policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16)
+    probe... rounds apart; once a probe is accepted, the row drafts again (probes not priced:
+    `probe_budget=math.inf`)."""
+    policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16, probe_budget=math.inf)
     policy.begin(1)
     history(policy, [[(K, 0)] * 6])
     probes = []
@@ -175,7 +177,7 @@ def test_probes_that_keep_a_draft_but_leave_drafts_unpaid_still_grow_apart():
     """A poor drafter's probe keeps a draft now and then: where verifies are dear (0.6 of a
     plain step a draft) one of two drafts kept does not make drafts pay, so the probes keep
     growing apart (they used to come back to every `probe` rounds after any draft kept)."""
-    policy = CostAwarePolicy(cost=linear(0.6), probe=4, probe_most=32)
+    policy = CostAwarePolicy(cost=linear(0.6), probe=4, probe_most=32, probe_budget=math.inf)
     policy.begin(1)
     history(policy, [[(K, 0)] * 6])
     probes = []
@@ -187,6 +189,50 @@ def test_probes_that_keep_a_draft_but_leave_drafts_unpaid_still_grow_apart():
         assert policy.last is not None and (span == 0 or policy.last.probe)
     gaps = np.diff(probes).tolist()
     assert gaps[:3] == [8, 16, 32] and all(g == 32 for g in gaps[3:]), probes
+
+
+def test_probes_are_priced_as_rounds_are():
+    """Where a verify of 2 drafts costs 1.7 plain steps (the hybrid on the 2-core CPU) and
+    drafts are rejected, a probe is expected to lose ~0.7 plain steps: at `probe_budget`
+    0.01, once the first probe (after `probe` rounds, not priced: the drafts paid lately)
+    has failed, they stay ~60 rounds apart (the doubling from `probe` cost ~2-3% of the time
+    on the CPU at p = 0.2); where a verify costs ~1.15 plain steps (the H200), a probe loses
+    little (0.07 plain steps: 7 rounds) and they come `probe`, 2 * `probe`, ... rounds apart
+    as before."""
+
+    def probes(cost: FixedCost) -> list[int]:
+        policy = CostAwarePolicy(cost=cost, probe=8, probe_most=64)
+        policy.begin(1)
+        history(policy, [[(K, 0)] * 6])
+        out = []
+        for i in range(200):
+            if max(policy.cut([K], [1000])):
+                assert policy.last is not None and policy.last.probe
+                out.append(i)
+            policy.observe([0])
+        return out
+
+    dear, cheap = probes(linear(0.2, overhead=0.3)), probes(linear(0.03, overhead=0.1))
+    assert dear[0] == 7 and all(60 <= g <= 64 for g in np.diff(dear)), dear
+    assert cheap[0] == 7 and np.diff(cheap).tolist()[:3] == [16, 32, 64], cheap
+
+
+def test_no_probe_in_the_last_tokens():
+    """A probe's finding pays back over the rounds after it: none in a row's last `probe`
+    tokens (at 128 tokens the doubling schedule put the fourth probe at round ~125, its
+    finding used by none)."""
+    policy = CostAwarePolicy(cost=linear(0.03, overhead=0.1), probe=4, probe_budget=math.inf)
+    policy.begin(1)
+    history(policy, [[(K, 0)] * 6])
+    for _ in range(3):
+        assert policy.cut([K], [1000]) == [0]
+        policy.observe([0])
+    assert policy.cut([3], [4]) == [0]  # a probe is due, but 4 tokens are left
+    assert policy.last is not None and not policy.last.probe
+    assert policy.depth(K, [4]) == 0  # nor asked for
+    policy.plain(1)
+    policy.observe([0])
+    assert policy.cut([K], [100]) == [2] and policy.last.probe  # due, with room left
 
 
 def test_a_drafter_confidence_label_with_good_history_lifts_a_row():
@@ -238,7 +284,7 @@ def test_every_decision_says_why():
         assert policy.last is not None
         return policy.last.reason
 
-    policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16)
+    policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16, probe_budget=math.inf)
     policy.begin(1)
     assert policy.depth(K, [1]) == 0
     policy.plain(1)
@@ -280,6 +326,29 @@ def test_every_decision_says_why():
     asked = policy.depth(K, [100], cheap=False)
     policy.cut([asked], [100])
     assert asked == K // 2 and why(policy) == "exploring"
+
+
+def test_calibration_counts_the_plain_steps_of_every_batch_size():
+    """Calibration (plain steps taken to time one) counts the plain steps timed at every
+    batch size: in the engine's batch, rows come and go, and each batch size used to ask for
+    its own three (31-48 plain rounds a run on the H200 where fixed k took none). Here 8 rows
+    have three plain steps timed, 7 rows one, and both the same verifies: at 7 rows the
+    drafts that pay (1.35x a plain step's tokens per unit of time, under the 1.5x beyond
+    which calibration never runs) are verified, not put off for a plain step."""
+    model = CostModel()
+    for rows, plain in ((8, 3), (7, 1)):
+        for _ in range(plain):
+            model.observe(rows, 0, 0.010)
+        for width, seconds in ((2, 0.013), (4, 0.015), (2, 0.013), (4, 0.015)):
+            model.observe(rows, width, seconds)
+    assert model.plain_timings(7) == 4 and model.widths(7) == 2
+    assert model.ratio(7, 2) == pytest.approx(1.3)
+    policy = CostAwarePolicy(cost=model, clock=lambda: 0.0)  # the rounds below stay untimed
+    policy.begin(7)
+    policy.plain(7)
+    policy.observe([0] * 7)  # a first round
+    assert policy.cut([K] * 7, [100] * 7) == [2] * 7
+    assert policy.last is not None and policy.last.reason == "drafts pay"
 
 
 def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():

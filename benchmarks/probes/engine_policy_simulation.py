@@ -11,16 +11,20 @@ also wanders (a random walk over the simulated clock, the same for every contend
 Printed per acceptance mix: tokens per unit of time over plain decoding, for fixed k = 1..k
 and the policy, means over seeds; and the policy's spans.
 
+`--policy module:Class` puts another rule in (a subclass of `CostAwarePolicy`).
+
     .venv/bin/python benchmarks/probes/engine_policy_simulation.py [--seeds 10] [--drift 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import random
 import statistics
 from collections import Counter
+from typing import Any
 
 import _on_path  # noqa: F401
 
@@ -63,7 +67,8 @@ class HostSpeed:
 
 
 def simulate(mean_alpha: float, k: int | None, *, rows: int, requests: int, tokens: int,
-             most: int, seed: int, drift: float = 0.0) -> tuple[float, Counter[int]]:  # fmt: skip
+             most: int, seed: int, drift: float = 0.0,
+             make: Any = CostAwarePolicy) -> tuple[float, Counter[int]]:  # fmt: skip
     """Tokens per second of `requests` through `rows` rows at fixed `k` (0: plain), or
     under a fresh default policy (k None), and the spans the rounds verified. `drift`: the
     host's speed moves (`HostSpeed`)."""
@@ -71,7 +76,7 @@ def simulate(mean_alpha: float, k: int | None, *, rows: int, requests: int, toke
     work = [Request(rng, mean_alpha, tokens) for _ in range(requests)]
     clock, shapes, spans = [0.0], set(), Counter()
     host = HostSpeed(seed, drift)
-    policy = CostAwarePolicy(clock=lambda: clock[0]) if k is None else None
+    policy = make(clock=lambda: clock[0]) if k is None else None
     if policy is not None:
         policy.begin(0)
     running: list[Request] = []
@@ -137,9 +142,11 @@ def main() -> None:
         "--drift", type=float, default=0.0,
         help="the host's speed: a random walk of its log, this much per 50 ms (0: steady)",
     )  # fmt: skip
+    parser.add_argument("--policy", default="kvstate.speculative:CostAwarePolicy")
     args = parser.parse_args()
+    module, name = args.policy.split(":")
     options = dict(rows=args.rows, requests=args.requests, tokens=args.tokens, most=args.k,
-                   drift=args.drift)  # fmt: skip
+                   drift=args.drift, make=getattr(importlib.import_module(module), name))  # fmt: skip
     for mean_alpha in (0.1, 0.25, 0.45, 0.65, 0.85):
         rates: dict[str, list[float]] = {}
         spans: Counter[int] = Counter()
@@ -153,7 +160,7 @@ def main() -> None:
         cells = [f"{name} {statistics.mean(r) / plain:.2f}" for name, r in rates.items()]
         best = max(statistics.mean(r) for name, r in rates.items() if name != "policy")
         share = statistics.mean(rates["policy"]) / best
-        print(f"mean alpha {mean_alpha}: {'  '.join(cells)}  policy/best {share:.2f}  "
+        print(f"mean alpha {mean_alpha}: {'  '.join(cells)}  policy/best {share:.3f}  "
               f"spans {dict(sorted(spans.items()))}", flush=True)  # fmt: skip
 
 

@@ -20,7 +20,11 @@ round picks the span w maximising sum over rows of E[tokens of row b | min(w, dr
 divided by cost(w), and every row drafts up to w. The held-back rows (span 0) probe on
 rounds spaced `probe`, 2 * `probe`, ... rounds apart (doubling after a probe after which drafts
 still do not pay, back to `probe` after one after which they do), so the policy resumes
-drafting when the drafter recovers.
+drafting when the drafter recovers. After a probe that failed, probes are priced as any
+round is: where one is expected to cost `loss` plain steps more than its tokens are worth (a
+verify dear against a plain step, drafts rarely kept), they stay at least
+`loss / probe_budget` rounds apart (so they spend about `probe_budget` of the time at most);
+and none is taken in a row's last `probe` tokens, too few rounds to use what it finds.
 
 Exact by construction: the policy only chooses how many of the drafts to verify, from what
 happened in earlier rounds and the drafter's deterministic confidence (never from a sampled
@@ -126,10 +130,11 @@ class CostModel:
         self._cache.pop(rows, None)
 
     def plain_timings(self, rows: int) -> int:
-        """How many plain steps over `rows` rows (or the nearest batch size timed) are kept."""
-        table = self._times.get(self._nearest(rows), {})
-        return len(table.get(0, ())) or max((len(t.get(0, ())) for t in self._times.values()),
-                                            default=0)  # fmt: skip
+        """How many plain steps are kept, over every batch size: what calibration counts (a
+        batch of rows that come and go meets many batch sizes, and each used to ask for its
+        own few plain steps; a plain step's figure at one is the nearest one's until its own
+        plain steps come, as the policy's ordinary plain rounds and probes bring them)."""
+        return sum(len(t.get(0, ())) for t in self._times.values())
 
     def plain_age(self, rows: int) -> int:
         """Rounds timed since the last plain step was (any batch size; large: never)."""
@@ -274,7 +279,10 @@ class CostAwarePolicy:
     time source (seconds), injectable for tests; `memory`: the weight of a row's older
     drafts per draft verified since (0.9: about the last ten count); `prior` / `prior_weight`: a new row's acceptance belief
     (its mean and its weight in draft tries); `probe`: rounds between probes of held-back
-    rows (doubling after a probe after which drafts still do not pay, up to `probe_most`)."""
+    rows (doubling after a probe after which drafts still do not pay, up to `probe_most`);
+    `probe_budget`: the share of the time probes may lose at most (after a failed probe, a
+    probe expected to lose `loss` plain steps comes at least `loss / probe_budget` rounds
+    after the last drafts, up to `probe_most`; `math.inf`: probes are not priced)."""
 
     def __init__(
         self,
@@ -286,19 +294,25 @@ class CostAwarePolicy:
         prior_weight: float = 1.0,
         probe: int = 8,
         probe_most: int = 64,
+        probe_budget: float = 0.01,
     ) -> None:
         if not (
-            0 <= memory < 1 and 0 < prior < 1 and prior_weight > 0 and 1 <= probe <= probe_most
+            0 <= memory < 1
+            and 0 < prior < 1
+            and prior_weight > 0
+            and 1 <= probe <= probe_most
+            and probe_budget > 0
         ):
             raise StateError(
                 "CostAwarePolicy: need 0 <= memory < 1, 0 < prior < 1, prior_weight > 0, "
-                f"1 <= probe <= probe_most; got memory={memory}, prior={prior}, "
-                f"prior_weight={prior_weight}, probe={probe}, probe_most={probe_most}"
+                f"1 <= probe <= probe_most, probe_budget > 0; got memory={memory}, "
+                f"prior={prior}, prior_weight={prior_weight}, probe={probe}, "
+                f"probe_most={probe_most}, probe_budget={probe_budget}"
             )
         self.cost = CostModel() if cost is None else cost
         self.clock = clock
         self.memory, self.prior, self.prior_weight = memory, prior, prior_weight
-        self.probe, self.probe_most = probe, probe_most
+        self.probe, self.probe_most, self.probe_budget = probe, probe_most, probe_budget
         self.last: Decision | None = None
         self._rows: list[_Rate] = []
         self._row_labels: list[dict[Hashable, _Rate]] = []  # per row, per label
@@ -379,7 +393,7 @@ class CostAwarePolicy:
         self._judged = not cheap
         if cheap:
             return most
-        if explored == 0 and self._probe_due():
+        if explored == 0 and self._probe_due(max(room), len(room)):
             self._why = "probe"
             return min(most, 2)
         return explored
@@ -430,7 +444,7 @@ class CostAwarePolicy:
             ratio = self.cost.ratio(rows, span)
         probe = False
         self._probed = None
-        if span == 0 and max(usable, default=0) > 0 and self._probe_due():
+        if span == 0 and max(usable, default=0) > 0 and self._probe_due(max(room), rows):
             span, probe, self._probed, why = min(max(usable), 2), True, chains, "probe"
             expected = sum(self._expected(b, chains[b][:span]) for b in range(rows))
             ratio = self.cost.ratio(rows, span)
@@ -512,7 +526,7 @@ class CostAwarePolicy:
                     best = (expected / ratio, m, d, nodes, ratio)
         _, m, d, nodes, ratio = best
         probe = False
-        if m == 0 and paths and self._probe_due():
+        if m == 0 and paths and self._probe_due(room, 1):
             m, d, probe = len(paths), min(2, max(len(p) for p in paths)), True
             nodes = len(tree_of_paths([p[:d] for p in paths])[0])
             ratio = self.cost.ratio(1, nodes)
@@ -618,8 +632,21 @@ class CostAwarePolicy:
             return False
         return self.cost.plain_timings(rows) < 3 or self.cost.plain_age(rows) > 48
 
-    def _probe_due(self) -> bool:
-        return self._since + 1 >= self._interval
+    def _probe_due(self, left: int, rows: int) -> bool:
+        """Whether held-back rows probe this round: `interval` rounds after the last drafts
+        (or more, once a probe has failed, where a probe is dear: see `probe_budget`), and the
+        rows have more than `probe` tokens left (`left`) to use what it finds. The first
+        probe after drafts stopped is not priced: drafts paid a few rounds ago, and an
+        estimate that dipped by chance (at p = 0.8 one does every few dozen rounds) would
+        otherwise hold a good drafter back for `loss / probe_budget` rounds."""
+        if left <= self.probe or self._since + 1 < self._interval:
+            return False
+        if self._interval <= self.probe:
+            return True
+        # a probe of 2 drafts: its cost over its tokens' worth at the rows' acceptance, in plain steps
+        tokens = sum(self._expected(b, [None] * 2) for b in range(rows))
+        loss = self.cost.ratio(rows, 2) - tokens / max(1, rows)
+        return self._since + 1 >= min(self.probe_most, loss / self.probe_budget)
 
     def _cheap(self) -> bool:
         if len(self._propose_times) < 3 or not self.cost.plain_timings(len(self._rows)):
