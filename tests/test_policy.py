@@ -331,7 +331,7 @@ def test_every_decision_says_why():
 def test_calibration_counts_the_plain_steps_of_every_batch_size():
     """Calibration (plain steps taken to time one) counts the plain steps timed at every
     batch size: in the engine's batch, rows come and go, and each batch size used to ask for
-    its own three (31-48 plain rounds a run on the H200 where fixed k took none). Here 8 rows
+    its own three (31-48 plain rounds a run on the H100 where fixed k took none). Here 8 rows
     have three plain steps timed, 7 rows one, and both the same verifies: at 7 rows the
     drafts that pay (1.35x a plain step's tokens per unit of time, under the 1.5x beyond
     which calibration never runs) are verified, not put off for a plain step."""
