@@ -8,6 +8,7 @@
 #   bash benchmarks/h200.sh spec drafters              (the next)
 #   SEEDS=1,2 bash benchmarks/h200.sh drafters         (seeds of the draft-model generator rows)
 #   KVSTATE_MODEL_CACHE=/path/to/models bash benchmarks/h200.sh real-speed   (the real models)
+#   KVSTATE_MODEL_CACHE=/path/to/models bash benchmarks/h200.sh engine-rounds policy-smollm (issues 23, 24)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -86,6 +87,23 @@ with wrap_options(buckets=$force):
   real-speed)  # the packaged real models (KVSTATE_MODEL_CACHE: their converted folders), bf16, ~4 min
     step 280 real-speed python3 benchmarks/real_speed.py ${REAL_SPEED_ARGS:-}
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all] [plain-tests] [real-speed]"; exit 2 ;;
+  engine-rounds)  # issue 23: the engine's n-gram rows under a steady load, rounds by the policy's reason
+    for kind in ${KINDS:-code prose chat}; do
+      step 300 "engine-rounds-$kind" python3 benchmarks/probes/engine_rounds.py --queue 4 --kinds "$kind" \
+        --reps 2 --no-profile --only "engine plain" "engine ngram" "engine ngram k=4"
+    done
+    ;;
+  policy-smollm)  # issue 24: the default policy against every fixed k on SmolLM2's three prompts
+    step 400 policy-smollm python3 benchmarks/policy.py --parts smollm --reps 2
+    ;;
+  policy-hybrid)  # issue 24: the oracle hybrid at p = 0.2 .. 0.95 (float32: TF32 off)
+    step 400 policy-hybrid env MLX_ENABLE_TF32=0 python3 benchmarks/policy.py --size large --parts hybrid \
+      --hybrid-tokens 160 --hybrid-reps 2
+    ;;
+  ragged-reference)  # the kernel and cuDNN routes' bf16 logits against SmolLM2 in float32
+    step 200 ragged-reference env MLX_ENABLE_TF32=0 python3 benchmarks/probes/ragged_verify_kernel.py \
+      --rows 2 8 --widths 3 5 --reps 3 --reference float32 --no-kernel-check
+    ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all] [plain-tests] [real-speed] [engine-rounds] [policy-smollm] [policy-hybrid] [ragged-reference]"; exit 2 ;;
 esac
 done
