@@ -260,7 +260,9 @@ def test_a_plain_step_is_known_ahead_only_when_no_label_would_pay():
     (its cut may draft after that label)."""
 
     def learnt(labels: list, first_row_accepts: bool) -> CostAwarePolicy:
-        policy = CostAwarePolicy(cost=linear(0.2, overhead=0.3), probe=64)
+        # a plain step of 1 s: proposals (microseconds apart) make the drafter cheap
+        cost = FixedCost(lambda w: 1.3 + 0.2 * w, plain=1.0)
+        policy = CostAwarePolicy(cost=cost, probe=64)
         policy.begin(2)
         for _ in range(20):  # row 1's drafts rejected; row 0's accepted or not
             policy.depth(K, [100, 100], cheap=True)
@@ -349,6 +351,71 @@ def test_calibration_counts_the_plain_steps_of_every_batch_size():
     policy.observe([0] * 7)  # a first round
     assert policy.cut([K] * 7, [100] * 7) == [2] * 7
     assert policy.last is not None and policy.last.reason == "drafts pay"
+
+
+def test_after_rounds_without_drafts_most_plain_steps_are_known_ahead():
+    """A label learnt to pay (another row's long matches) keeps `plain_ahead` from building
+    the next plain step before the proposal; once `probe` rounds in a row verified no draft
+    (the rows' own labels fail, and so do the probes, which come 8, 16, 32 rounds apart),
+    only every `probe`-th round and the probes wait for the proposal, the rest are plain
+    ahead (pipelined)."""
+    policy = CostAwarePolicy(cost=FixedCost(lambda w: 1 + 0.2 * w, plain=1.0), probe=8,
+                             probe_most=64, probe_budget=math.inf)  # fmt: skip
+    policy.begin(2)
+    for _ in range(20):  # row 0's long matches accepted, row 1's short ones rejected
+        policy.depth(K, [100, 100], cheap=True)
+        counts = policy.cut([4, 4], [100, 100], [(3, 3), (1, 1)])
+        policy.observe([counts[0], 0])
+    policy.keep([1])
+    ahead, probes = [], []
+    for i in range(40):
+        ahead.append(policy.plain_ahead(K, [100]))
+        if not ahead[-1]:
+            policy.depth(K, [100], cheap=True)
+            if policy.cut([4], [100], [(1, 1)]) != [0]:
+                assert policy.last is not None and policy.last.probe
+                probes.append(i)
+        policy.observe([0])
+    assert probes == [7, 23], probes  # 8 rounds after the drafts, then 16 after that probe
+    no, yes = [False], [True]
+    # rounds since drafts (or a probe): 0-7 wait, 8 waits, 9-14 ahead, 15 the probe; ...
+    want = no * 8 + no * 8 + no + yes * 6 + no + no * 8 + no + yes * 7
+    assert ahead == want, ahead
+
+
+def test_a_calibration_plain_step_is_known_ahead_so_it_is_timed():
+    """No plain step timed yet (so the drafter is not known cheap, and `depth` judges by
+    the rows' acceptance), drafts that pay a little (1.35x a plain step's tokens per unit of
+    time: under the 1.5x beyond which calibration never runs): the round is a plain step to
+    time one, and `plain_ahead` says so, so that it is built ahead and timed, whatever a
+    label promises (the drafter is not asked). It used to say no where a label paid, so the
+    engine built each calibration step after the read and could not time it: 42 calibration
+    rounds of ~140 on the 2-core CPU, none timed. Drafts that pay more than 1.5x keep their
+    proposal."""
+
+    def taught(drafts: list[tuple[tuple[int, int], int]]) -> CostAwarePolicy:
+        model = CostModel()  # verifies of 1 and 2 drafts timed twice; no plain step
+        for width, seconds in ((1, 0.012), (2, 0.013), (1, 0.012), (2, 0.013)):
+            model.observe(1, width, seconds)
+        policy = CostAwarePolicy(cost=model, clock=lambda: 0.0)  # the rounds stay untimed
+        policy.begin(1)
+        for _ in range(4):
+            for label, accepted in drafts:  # 4 drafts after `label`, `accepted` of them kept
+                policy.depth(K, [100], cheap=True)
+                policy.cut([4], [100], [label])
+                policy._pending = ([4], [label])
+                policy.observe([accepted])
+        return policy
+
+    half = taught([((3, 3), 1)] * 4)  # half the drafts kept
+    # a label whose drafts are all kept, beside three times as many of another all rejected
+    mixed = taught([((3, 3), 4), ((1, 1), 0), ((1, 1), 0), ((1, 1), 0)])
+    assert mixed._labels[(3, 3)].mean(0.5, 1.0) > 0.9 and mixed.acceptance[0] < 0.55
+    for policy in (half, mixed):
+        assert policy.cost.plain_timings(1) == 0
+        assert policy.plain_ahead(K, [100])
+        assert policy.last is not None and policy.last.reason == "calibrating"
+    assert not taught([((3, 3), 4)] * 4).plain_ahead(K, [100])  # all kept: the proposal stays
 
 
 def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
