@@ -377,6 +377,17 @@ def test_after_rounds_without_drafts_most_plain_steps_are_known_ahead():
                 probes.append(i)
         policy.observe([0])
     assert probes == [7, 23], probes  # 8 rounds after the drafts, then 16 after that probe
+    # the proposal rounds ask a cheap drafter; between them it is not asked either (so the
+    # engine's round is a plain step built before the read, and the next known ahead)
+    asked = []
+    for _ in range(9):  # rounds 16-24 since the last probe
+        asked.append(policy.depth(K, [100], cheap=True))
+        if asked[-1]:
+            assert policy.cut([4], [100], [(1, 1)]) == [0]
+        else:
+            policy.plain(1)
+        policy.observe([0])
+    assert asked == [K] + [0] * 7 + [K], asked
     no, yes = [False], [True]
     # rounds since drafts (or a probe): 0-7 wait, 8 waits, 9-14 ahead, 15 the probe; ...
     want = no * 8 + no * 8 + no + yes * 6 + no + no * 8 + no + yes * 7

@@ -372,8 +372,10 @@ class CostAwarePolicy:
         a plain step). `k`: the most drafts a round may use; `room[b]`: the tokens row b may
         still emit. A drafter whose proposals take under 5% of a plain step (timed; `cheap`
         overrides) is asked for every draft the rows can use, and `cut` decides with its
-        confidence; any other is asked for the best depth by the rows' acceptance alone (or
-        none, but on probe rounds)."""
+        confidence (but while `_idle`: after `probe` rounds without drafts, it is asked only
+        on every `probe`-th round or where the rows' acceptance says drafts pay); any other
+        is asked for the best depth by the rows' acceptance alone (or none, but on probe
+        rounds)."""
         self._started_at = self.clock()
         self._proposed_at = None
         limits = [max(0, min(k, r - 1)) for r in room]
@@ -391,7 +393,7 @@ class CostAwarePolicy:
         if cheap is None:
             cheap = self._cheap()
         self._judged = not cheap
-        if cheap:
+        if cheap and not (explored == 0 and self._idle()):
             return most
         if explored == 0 and self._probe_due(max(room), len(room)):
             self._why = "probe"
@@ -413,7 +415,7 @@ class CostAwarePolicy:
         After True the round is noted plain here (`plain`); after False ask `depth` again."""
         if self.depth(k, room, cheap=False) != 0:
             return False
-        idle = self._since >= self.probe and self._since % self.probe != 0
+        idle = self._idle()
         # A drafter not known cheap (none before a plain step is timed) is not asked when
         # `depth` says 0, so the round is plain whatever its labels promise: known now, the
         # step is built ahead and timed (built after a read it is not, and a calibration
@@ -647,6 +649,13 @@ class CostAwarePolicy:
         if self._rounds < 1 or score >= 1.5 * rows:
             return False
         return self.cost.plain_timings(rows) < 3 or self.cost.plain_age(rows) > 48
+
+    def _idle(self) -> bool:
+        """Whether `probe` rounds in a row have verified no draft, and this round is not
+        every `probe`-th one: a cheap drafter is then asked only when the rows' acceptance
+        says drafts pay (not for its labels' sake), so the round's plain step is known before
+        the read and runs pipelined (`plain_ahead`)."""
+        return self._since >= self.probe and self._since % self.probe != 0
 
     def _probe_due(self, left: int, rows: int) -> bool:
         """Whether held-back rows probe this round: `interval` rounds after the last drafts
