@@ -407,12 +407,12 @@ class CostAwarePolicy:
         drafter that is not cheap), and says no when the drafter's best confidence label
         learnt so far would pay for the rows (a cheap drafter's proposal is cut by its labels;
         one not known cheap is not asked) and the round is not a calibration step the cut
-        would take as well, but once `probe` rounds in a row have verified no draft: then only every `probe`-th
-        round waits for the proposal (a round built after its read runs unpipelined: on the
-        2-core CPU the engine's prose rounds, cut to plain steps after the proposal in 115 of
-        120, ran 7% slower than plain steps built ahead), and a label's drafts that pay again
-        are taken at most `probe` rounds late.
-        After True the round is noted plain here (`plain`); after False ask `depth` again."""
+        would take as well; but once `probe` rounds in a row have verified no draft, only
+        every `probe`-th round waits for the proposal (a round built after its read runs
+        unpipelined: on the 2-core CPU the engine's prose rounds, cut to plain steps after the
+        proposal in 115 of 120, ran 7% slower than plain steps built ahead), and a label's
+        drafts that pay again are taken at most `probe` rounds late. After True the round is
+        noted plain here (`plain`); after False ask `depth` again."""
         if self.depth(k, room, cheap=False) != 0:
             return False
         idle = self._idle()
