@@ -79,6 +79,19 @@ def history(policy: CostAwarePolicy, rows: list[list[tuple[int, int]]]) -> None:
         policy.observe([a for _, a in round_])
 
 
+def probe_rounds(policy: CostAwarePolicy, rounds: int, kept: int = 0) -> list[int]:
+    """`rounds` rounds of a row offered 8 drafts, each probe keeping `kept` of its drafts:
+    the rounds that probed (every round that verifies a draft must be a probe)."""
+    out = []
+    for i in range(rounds):
+        span = max(policy.cut([K], [1000]))
+        assert policy.last is not None and (span == 0 or (policy.last.probe and span <= 2))
+        if span:
+            out.append(i)
+        policy.observe([min(span, kept)])
+    return out
+
+
 @pytest.mark.parametrize("slope", [0.02, 0.1, 0.3, 1.0])
 @pytest.mark.parametrize("rate", [0.0, 0.2, 0.5, 0.8, 0.95, 1.0])
 def test_the_span_maximises_expected_tokens_per_unit_of_cost(rate, slope):
@@ -152,14 +165,7 @@ def test_held_back_rows_probe_more_rarely_after_failed_probes_and_resume_after_r
     policy = CostAwarePolicy(cost=linear(0.2), probe=4, probe_most=16, probe_budget=math.inf)
     policy.begin(1)
     history(policy, [[(K, 0)] * 6])
-    probes = []
-    for i in range(60):
-        span = max(policy.cut([K], [1000]))
-        assert policy.last is not None
-        if span:
-            assert policy.last.probe and span <= 2
-            probes.append(i)
-        policy.observe([0])
+    probes = probe_rounds(policy, 60)
     gaps = np.diff(probes).tolist()
     assert gaps[:3] == [8, 16, 16] and all(g == 16 for g in gaps[3:]), probes
     # the drafter recovers: the next probe keeps its drafts, and drafting resumes
@@ -180,13 +186,7 @@ def test_probes_that_keep_a_draft_but_leave_drafts_unpaid_still_grow_apart():
     policy = CostAwarePolicy(cost=linear(0.6), probe=4, probe_most=32, probe_budget=math.inf)
     policy.begin(1)
     history(policy, [[(K, 0)] * 6])
-    probes = []
-    for i in range(120):
-        span = max(policy.cut([K], [1000]))
-        if span:
-            probes.append(i)
-        policy.observe([min(span, 1)])  # each probe keeps 1 of its 2 drafts
-        assert policy.last is not None and (span == 0 or policy.last.probe)
+    probes = probe_rounds(policy, 120, kept=1)  # each probe keeps 1 of its 2 drafts
     gaps = np.diff(probes).tolist()
     assert gaps[:3] == [8, 16, 32] and all(g == 32 for g in gaps[3:]), probes
 
@@ -204,13 +204,7 @@ def test_probes_are_priced_as_rounds_are():
         policy = CostAwarePolicy(cost=cost, probe=8, probe_most=64)
         policy.begin(1)
         history(policy, [[(K, 0)] * 6])
-        out = []
-        for i in range(200):
-            if max(policy.cut([K], [1000])):
-                assert policy.last is not None and policy.last.probe
-                out.append(i)
-            policy.observe([0])
-        return out
+        return probe_rounds(policy, 200)
 
     dear, cheap = probes(linear(0.2, overhead=0.3)), probes(linear(0.03, overhead=0.1))
     assert dear[0] == 7 and all(60 <= g <= 64 for g in np.diff(dear)), dear
@@ -299,9 +293,9 @@ def test_every_decision_says_why():
     history(policy, [[(K, 0)] * 30])
     reasons = []
     for _ in range(8):
-        span = max(policy.cut([K], [1000]))
+        policy.cut([K], [1000])
         reasons.append(why(policy))
-        policy.observe([0] * (span >= 0))
+        policy.observe([0])
     assert set(reasons) == {"drafts do not pay", "probe"}, reasons
     assert policy.depth(K, [100], cheap=False) == 0
     policy.plain(1)

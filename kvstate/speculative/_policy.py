@@ -406,30 +406,24 @@ class CostAwarePolicy:
         the last round's unread tokens). Asks `depth` by the rows' acceptance alone (as for a
         drafter that is not cheap), and says no when the drafter's best confidence label
         learnt so far would pay for the rows (a cheap drafter's proposal is cut by its labels;
-        one not known cheap is not asked) and the round is not a calibration step the cut
-        would take as well; but once `probe` rounds in a row have verified no draft, only
-        every `probe`-th round waits for the proposal (a round built after its read runs
-        unpipelined: on the 2-core CPU the engine's prose rounds, cut to plain steps after the
-        proposal in 115 of 120, ran 7% slower than plain steps built ahead), and a label's
-        drafts that pay again are taken at most `probe` rounds late. After True the round is
-        noted plain here (`plain`); after False ask `depth` again."""
+        one not known cheap is not asked); but once `probe` rounds in a row have verified no
+        draft, only every `probe`-th round waits for the proposal (a round built after its
+        read runs unpipelined: on the 2-core CPU the engine's prose rounds, cut to plain steps
+        after the proposal in 115 of 120, ran 7% slower than plain steps built ahead), and a
+        label's drafts that pay again are taken at most `probe` rounds late. After True the
+        round is noted plain here (`plain`); after False ask `depth` again."""
         if self.depth(k, room, cheap=False) != 0:
             return False
-        idle = self._idle()
         # A drafter not known cheap (none before a plain step is timed) is not asked when
         # `depth` says 0, so the round is plain whatever its labels promise: known now, the
         # step is built ahead and timed (built after a read it is not, and a calibration
         # step came again and again: 42 of ~140 rounds on the 2-core CPU, none timed).
-        if self._labels and not idle and self._cheap():
+        if self._labels and not self._idle() and self._cheap():
             # the cut's own rule, every row's drafts after the best label
             label = max(self._labels, key=lambda x: self._labels[x].mean(self.prior,
                                                                           self.prior_weight))  # fmt: skip
             limits = [max(0, min(k, r - 1)) for r in room]
-            span, expected, ratio = self._best([[label] * d for d in limits], len(room))
-            # a calibration step the cut would take as well is known now (and so timed)
-            calibrating = self._why == "calibrating" and self._calibrating(len(room),
-                                                                           expected / ratio)  # fmt: skip
-            if span > 0 and not calibrating:
+            if self._best([[label] * d for d in limits], len(room))[0] > 0:
                 return False
         self.plain(len(room))
         return True
