@@ -8,7 +8,12 @@ step, which two wall times are too noisy to show on a shared 2-core machine); th
 ratios and acceptance held over the run; the cost timings behind a wide span drafted at a
 low acceptance.
 
+With `--smollm code,prose,chat`: SmolLM2-135M with prompt lookup on policy.py's prompts
+instead, each run timed against plain decoding and fixed k = 8, and the policy's cost
+timings both fresh (as `generate`'s default starts) and carried over from the run before.
+
     .venv/bin/python benchmarks/probes/policy_rounds.py [--p 0.2,0.95] [--reps 2] [--trace]
+    .venv/bin/python benchmarks/probes/policy_rounds.py --smollm code --tokens 200 --trace
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import _on_path  # noqa: F401  (benchmarks/ on the path, for policy and _fixture
 from _fixtures import OracleDrafter
 from _hybrid_run import hybrid_run
 
-from kvstate.speculative import CostAwarePolicy, generate
+from kvstate.speculative import CostAwarePolicy, NGramDrafter, generate
 
 
 class Logged(CostAwarePolicy):
@@ -110,14 +115,67 @@ def report(log: list[dict[str, Any]], n: int, plain_s: float, trace: bool) -> No
                   e["ratios"], e["alpha"])  # fmt: skip
 
 
+def timed(run: Any) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def smollm(kinds: list[str], n: int, reps: int, trace: bool) -> None:
+    from _fixtures import VECTOR_CODE, smollm2
+    from policy import CHAT, PROSE
+
+    from kvstate.adapters import wrap
+
+    loaded = smollm2()
+    if loaded is None:
+        raise SystemExit("no SmolLM2")
+    model, tokenizer = loaded
+    target = wrap(model)
+    chat = [{"role": "user", "content": CHAT}]
+    prompts = {
+        "code": tokenizer.encode(VECTOR_CODE)[:50],
+        "prose": tokenizer.encode(PROSE),
+        "chat": list(tokenizer.apply_chat_template(chat, add_generation_prompt=True)),
+    }
+
+    def run(prompt: list[int], **kw: Any) -> None:
+        drafter = NGramDrafter() if kw.pop("ngram", True) else None
+        list(generate(target, [prompt], drafter, max_tokens=n, **kw))
+
+    for kind in kinds:
+        prompt = prompts[kind]
+        run(prompt, k=8, adaptive=False)  # warm every shape
+        run(prompt, policy=Logged())
+        carried = Logged()
+        run(prompt, policy=carried)
+        for rep in range(reps):
+            plain = timed(lambda: run(prompt, ngram=False))  # noqa: B023
+            fixed = timed(lambda: run(prompt, k=8, adaptive=False))  # noqa: B023
+            fresh = Logged()
+            t_fresh = timed(lambda: run(prompt, policy=fresh))  # noqa: B023
+            carried.log = []
+            t_carried = timed(lambda: run(prompt, policy=carried))  # noqa: B023
+            print(f"\n## {kind}, run {rep}: plain {plain:.3f} s, k=8 {plain / fixed:.2f}x, "
+                  f"policy fresh {plain / t_fresh:.2f}x ({len(fresh.log)} rounds), carried "
+                  f"over {plain / t_carried:.2f}x ({len(carried.log)} rounds)")  # fmt: skip
+            for name, policy in (("fresh", fresh), ("carried over", carried)):
+                print(f"### {name}")
+                report(policy.log, n, plain, trace)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--p", default="0.2,0.5,0.8,0.95")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--trace", action="store_true", help="print every round")
+    parser.add_argument("--smollm", default="", help="SmolLM2 prompts: code,prose,chat")
     args = parser.parse_args()
     n = args.tokens
+    if args.smollm:
+        smollm(args.smollm.split(","), n, args.reps, args.trace)
+        return
     target, vocab, prompt, truth = hybrid_run(n)
     list(generate(target, [prompt], OracleDrafter(truth, 0.5, vocab), max_tokens=n))  # warm
     for p in (float(x) for x in args.p.split(",")):
