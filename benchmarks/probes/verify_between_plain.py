@@ -54,7 +54,9 @@ class Scripted(CostAwarePolicy):
         self.plain(1)
         return True
 
-    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]:
+    def cut(
+        self, counts: Sequence[int], room: Sequence[int], labels: Any = None, drafts: Any = None
+    ) -> list[int]:
         out = [min(c, max(0, r - 1)) for c, r in zip(counts, room, strict=True)]
         self.last = Decision(max(counts), out, max(out), 1.0, 1.0, False)
         self._pending = (out, [None])

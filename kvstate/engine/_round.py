@@ -44,7 +44,9 @@ class FixedDepth:
     def __init__(self) -> None:
         self.counts: list[int] = []
 
-    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]:
+    def cut(
+        self, counts: Sequence[int], room: Sequence[int], labels: Any = None, drafts: Any = None
+    ) -> list[int]:
         self.counts = list(counts)
         return self.counts
 
@@ -118,6 +120,7 @@ def run_round(
     elif policy is not None:
         if r.span and policy.last is not None:
             counters.drafted += sum(policy.last.counts)
+        policy.emitted(r.tokens)  # before the verify's observation: a probe is judged on it
         if not observed:
             policy.observe(r.accepted, timed=quiet or not pipelined)
     if r.span:

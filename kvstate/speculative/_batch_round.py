@@ -22,10 +22,13 @@ from ._target import Target
 
 class Cutter(Protocol):
     """What cuts a round's proposal (`CostAwarePolicy.cut`): the drafts each row verifies,
-    from the counts proposed, each row's room (tokens it may still emit) and the drafter's
-    confidence labels (None: none)."""
+    from the counts proposed, each row's room (tokens it may still emit), the drafter's
+    confidence labels (None: none) and its drafts where it states them on the host (None:
+    not)."""
 
-    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]: ...
+    def cut(
+        self, counts: Sequence[int], room: Sequence[int], labels: Any = None, drafts: Any = None
+    ) -> list[int]: ...
 
 
 def proposal_of(
@@ -41,13 +44,14 @@ def proposal_of(
 ) -> Drafts:
     """`drafter`'s proposal of up to `asked` drafts per row after `last`, checked (as
     `checked_proposal` checks it), and with `policy` cut to the drafts each row verifies
-    (`policy.cut(counts, room, drafter.confidence)`): what the generator and `batch_round`
-    verify alike."""
+    (`policy.cut(counts, room, drafter.confidence, drafter.proposed)`): what the generator
+    and `batch_round` verify alike."""
     proposed = drafter.propose(last, asked, sampler)
     proposal = checked_proposal(proposed, len(last), asked, k, vocab)
     if policy is not None:
         assert room is not None
-        cut = policy.cut(proposal.counts, room, getattr(drafter, "confidence", None))
+        cut = policy.cut(proposal.counts, room, getattr(drafter, "confidence", None),
+                         getattr(drafter, "proposed", None))  # fmt: skip
         if cut != proposal.counts:  # fewer drafts verified: the proposal re-cut
             proposal = checked_proposal(with_counts(proposed, cut), len(last), max(cut), k, vocab)
     return proposal

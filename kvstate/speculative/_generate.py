@@ -355,6 +355,8 @@ def _rounds(
             keys = live.keys_at(1 + max(proposal.counts))
             live.state, r = linear_round(target, live.take(), live.last, proposal, sampler,
                                          keys, plan, vocab, Stops(room, eos), process)  # fmt: skip
+        if policy is not None:  # before the verify's observation: a probe is judged on it
+            policy.emitted(r.tokens)
         if quantization is not None:
             live.state = quantization.after(live.state)
         counts.drafted += len(candidates.tokens) if candidates is not None else _drafted(proposal)

@@ -55,6 +55,9 @@ class NGramDrafter:
         """After `propose`, per row: (n, occurrences) of the n-gram its drafts follow (its
         length, and how many of its latest `branches` occurrences are indexed), None where
         nothing matched: what a drafting policy learns acceptance by."""
+        self.proposed: list[list[int]] = []
+        """After `propose`, per row: its drafts (host ints): a drafting policy learns their
+        acceptance from the tokens that follow, verified or not."""
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """Index `prompts` (one per row). `key` is taken and unused: the lookup draws
@@ -81,13 +84,14 @@ class NGramDrafter:
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
         last = self._checked("NGramDrafter.propose", last, k)
-        drafts, counts, confidence = [], [], []
+        drafts, counts, confidence, proposed = [], [], [], []
         for row, token in enumerate(last):
             found, label = self._lookup(row, token, k)
             counts.append(len(found))
             drafts.append(found + [0] * (k - len(found)))
             confidence.append(label)
-        self.confidence = confidence
+            proposed.append(found)
+        self.confidence, self.proposed = confidence, proposed
         # Every draft is an id of some row's history (or the filler 0): below `_top + 1`.
         return Drafted(mx.array(drafts, mx.int32), counts, None, self._top + 1)
 

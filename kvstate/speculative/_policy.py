@@ -85,7 +85,8 @@ class CostModel:
     a new shape includes compiling that shape's kernels (on the H200 a first 8-row verify of
     2 drafts took 46 ms against 12 ms after), and one such figure would otherwise price the
     width out for `age` rounds (it is not chosen again, so never re-timed). Before any timing: the
-    prior `1 + overhead + slope * width`; with one width timed, the prior's shape scaled to it.
+    prior `1 + overhead + slope * width`; with one width timed, that width's figure for every
+    width (flat: optimistic for the wider ones, until a second width is timed).
     A plain step not yet timed is estimated as the line's intercept over 1 + overhead.
 
     Replace it by any object with `observe(rows, width, seconds)`, `ratio(rows, width)`,
@@ -193,10 +194,13 @@ class CostModel:
             if plain is not None:  # the prior's shape on the timed plain step
                 fit = (plain, plain * (1 + self.overhead), plain * self.slope)
         elif len(medians) == 1:
-            ((w, t),) = medians.items()
-            g = 1.0 + self.overhead + self.slope * w
-            b = t * self.slope / g
-            fit = (plain, t - b * w, b)
+            # One width timed says nothing of the slope: every width is priced at its figure
+            # until a second is timed (the rule then asks for more drafts, and `_explored`
+            # halves that span to time a second width). The prior's slope scaled to the width
+            # priced wider spans out for good on a host-bound GPU, where a verify of 8 costs
+            # what one of 1 does: the rule kept choosing the one width it had timed.
+            ((_, t),) = medians.items()
+            fit = (plain, t, 0.0)
         else:
             ws = sorted(medians)
             slopes = [
@@ -269,6 +273,16 @@ class _Rate:
         return (self.hits + prior * weight) / (self.tries + weight)
 
 
+class _Shadow:
+    """A proposal's drafts (`label`: the drafter's confidence), `matched` of them equal to
+    the tokens emitted since."""
+
+    __slots__ = ("drafts", "label", "matched")
+
+    def __init__(self, drafts: list[int], label: Any) -> None:
+        self.drafts, self.label, self.matched = drafts, label, 0
+
+
 class CostAwarePolicy:
     """Chooses each round how many drafts to verify, per row (see the module docstring), and
     keeps what it measured: `acceptance` (per row), `cost_ratio(width)`, `last` (a
@@ -328,6 +342,9 @@ class CostAwarePolicy:
         self._tree_paths: list[list[int]] | None = None
         self._judged = False  # `depth` judged calibration and exploration for the cut
         self._probed: list[list[Any]] | None = None  # a probe's rows: their drafts' labels
+        # per row, the proposals whose acceptance the tokens to come will tell (`emitted`)
+        self._shadows: list[list[_Shadow]] = []
+        self._shadowed: list[bool] = []  # this round's rows whose proposal is shadowed
         self._why = "nothing drafted"  # why `depth` asked what it asked (`Decision.reason`)
 
     # -- the batch ---------------------------------------------------------------------
@@ -336,6 +353,8 @@ class CostAwarePolicy:
         """A generation of `rows` rows starts: fresh acceptance estimates (the costs stay)."""
         self._rows = [_Rate() for _ in range(rows)]
         self._row_labels = [{} for _ in range(rows)]
+        self._shadows = [[] for _ in range(rows)]
+        self._shadowed = []
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = self._probed = None
         self._judged = False
@@ -346,11 +365,14 @@ class CostAwarePolicy:
         """`n` rows join the batch, after the current ones."""
         self._rows += [_Rate() for _ in range(n)]
         self._row_labels += [{} for _ in range(n)]
+        self._shadows += [[] for _ in range(n)]
 
     def keep(self, alive: Sequence[int]) -> None:
         """Only the rows at positions `alive` stay, in this order."""
         self._rows = [self._rows[i] for i in alive]
         self._row_labels = [self._row_labels[i] for i in alive]
+        self._shadows = [self._shadows[i] for i in alive]
+        self._shadowed = []
 
     # -- what it measured ----------------------------------------------------------------
 
@@ -428,15 +450,25 @@ class CostAwarePolicy:
         self.plain(len(room))
         return True
 
-    def cut(self, counts: Sequence[int], room: Sequence[int], labels: Any = None) -> list[int]:
+    def cut(
+        self,
+        counts: Sequence[int],
+        room: Sequence[int],
+        labels: Any = None,
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> list[int]:
         """After the proposal: the drafts each row verifies (`counts[b]`: row b's drafts;
-        `labels`: the drafter's confidence per row, or None). Records the `Decision`."""
+        `labels`: the drafter's confidence per row, or None; `drafts`: the proposal's token
+        ids per row, where the drafter states them on the host: then each row's acceptance
+        is learnt from every proposal, verified or not, as the tokens that follow are told
+        (`emitted`)). Records the `Decision`."""
         self._proposed_at = self.clock()
         if self._started_at is not None:
             self._propose_times.append(self._proposed_at - self._started_at)
         rows = len(counts)
         usable = [max(0, min(c, r - 1)) for c, r in zip(counts, room, strict=True)]
         row_labels = _labels_of(labels, rows)
+        self._shadow(drafts, usable, row_labels)
         chains = [[row_labels[b]] * usable[b] for b in range(rows)]
         span, expected, ratio = self._best(chains, rows)
         # A drafter that is not cheap was asked for what `depth` judged by the rule's own
@@ -494,15 +526,10 @@ class CostAwarePolicy:
             return
         probe = self.last is not None and self.last.probe
         self._since = 0
+        shadowed, self._shadowed = self._shadowed, []
         for b, (d, a) in enumerate(zip(counts, accepted, strict=True)):
-            if d == 0:
-                continue
-            tries = a + (1 if a < d else 0)
-            self._rows[b].add(a, tries, self.memory)
-            if labels[b] is not None:
-                self._labels.setdefault(labels[b], _Rate()).add(a, tries, 0.99)
-                mine = self._row_labels[b].setdefault(labels[b], _Rate())
-                mine.add(a, tries, self.memory)
+            if d and not (b < len(shadowed) and shadowed[b]):  # else `emitted` learns it
+                self._learn(b, labels[b], a, a + (1 if a < d else 0))
         probed, self._probed = self._probed, None
         if probe:
             # Probes come back to every `probe` rounds once the drafts pay again, not after
@@ -514,6 +541,49 @@ class CostAwarePolicy:
             else:  # a tree's probe
                 resumed = sum(accepted) > 0
             self._interval = self.probe if resumed else min(self.probe_most, 2 * self._interval)
+
+    def emitted(self, tokens: Sequence[Sequence[int]]) -> None:
+        """The tokens each row emitted this round, in batch order (before `keep` drops the
+        finished rows): they tell how many drafts of each proposal stated on the host
+        (`cut(..., drafts=)`) a verify of all of them would have kept, whether the round
+        verified them or not (the target's tokens are the same either way: greedy, or
+        drawn as the target's), so acceptance is learnt in rounds that do not draft too.
+        Before `observe` on a verify round: a probe's outcome is judged on it."""
+        for b, row in enumerate(tokens):
+            if b >= len(self._shadows) or not self._shadows[b]:
+                continue
+            pending = self._shadows[b]
+            for token in row:
+                still = []
+                for shadow in pending:
+                    if shadow.drafts[shadow.matched] != token:
+                        self._learn(b, shadow.label, shadow.matched, shadow.matched + 1)
+                    elif shadow.matched + 1 == len(shadow.drafts):
+                        self._learn(b, shadow.label, len(shadow.drafts), len(shadow.drafts))
+                    else:
+                        shadow.matched += 1
+                        still.append(shadow)
+                pending = still
+            self._shadows[b] = pending
+
+    def _shadow(self, drafts: Any, usable: list[int], labels: list[Any]) -> None:
+        """Keep this round's proposal per row (its usable drafts) until `emitted` tells
+        how many a verify would keep."""
+        self._shadowed = []
+        if drafts is None or len(drafts) != len(usable) or len(self._shadows) != len(usable):
+            return
+        for b, (row, n) in enumerate(zip(drafts, usable, strict=True)):
+            shadowed = n > 0 and len(row) >= n
+            self._shadowed.append(shadowed)
+            if shadowed:
+                self._shadows[b].append(_Shadow([int(t) for t in row[:n]], labels[b]))
+
+    def _learn(self, row: int, label: Any, hits: int, tries: int) -> None:
+        """Row `row`'s drafter had `hits` of `tries` drafts accepted after `label`."""
+        self._rows[row].add(hits, tries, self.memory)
+        if label is not None:
+            self._labels.setdefault(label, _Rate()).add(hits, tries, 0.99)
+            self._row_labels[row].setdefault(label, _Rate()).add(hits, tries, self.memory)
 
     # -- tree mode ------------------------------------------------------------------------
 

@@ -39,6 +39,14 @@ class Round(NamedTuple):
     span: int
 
     @property
+    def tokens(self) -> list[list[int]]:
+        """Row b's tokens of this round: its accepted drafts, then its next token."""
+        return [
+            [*d[:a], t]
+            for d, a, t in zip(self.drafts, self.accepted, self.next_tokens, strict=True)
+        ]
+
+    @property
     def kept(self) -> list[int]:
         """kept[b] = accepted[b] + 1: row b's last token and its accepted drafts, the tokens
         of `fed` that stay in the state (what `commit_prefix` and `Drafter.accept` take)."""
