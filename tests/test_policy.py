@@ -734,3 +734,45 @@ def test_a_shadowed_proposal_is_resolved_over_the_rounds_that_follow():
     policy.emitted([[0]])  # the fourth draft missed
     policy.observe([0])
     assert policy.acceptance[0] == pytest.approx(3 / 4, abs=1e-6)
+
+
+def asked_rounds(policy: CostAwarePolicy, now: list[float], rounds: int) -> int:
+    """`rounds` rounds driven as `generate` drives a cheap drafter that proposes nothing: a
+    plain step built ahead takes 10 ms, one that waited for the proposal 15 ms. Returns how
+    many rounds asked the drafter."""
+    asked, ahead = 0, False
+    for _ in range(rounds):
+        if not ahead:
+            assert policy.depth(K, [1000], cheap=True) > 0
+            policy.cut([0], [1000], [None], [[]])
+            asked += 1
+        now[0] += 0.010 if ahead else 0.015
+        policy.observe([0])
+        ahead = policy.plain_ahead(K, [999])
+        policy.emitted([[5]])
+    return asked
+
+
+def test_rounds_that_wait_for_proposals_in_vain_stop_asking():
+    """A row whose acceptance says drafts pay (three verifies that kept every draft) but
+    whose drafter then proposes nothing: each round waits for the proposal, so its plain
+    step runs after the read (15 ms against 10 ms built ahead) and earns one token. The
+    rounds that asked are judged end to end (1 token in 1.5 plain steps' time): once the
+    verifies' worth fades the policy asks only every `probe`-th round, and builds the others
+    ahead. Its acceptance
+    estimate alone would ask every round (nothing proposed, nothing learnt): the H100's
+    prose, 91 of 170 rounds waiting for a proposal, 0.74x plain decoding."""
+    now = [0.0]
+    policy = CostAwarePolicy(cost=FixedCost(lambda w: 1.2, plain=0.010), clock=lambda: now[0])
+    policy.begin(1)
+    for _ in range(3):
+        policy.depth(K, [1000], cheap=True)
+        policy.cut([4], [1000], ["L"], [[1, 2, 3, 4]])
+        now[0] += 0.012
+        policy.emitted([[1, 2, 3, 4, 5]])
+        policy.observe([4])
+    assert policy.acceptance[0] > 0.8
+    # the verifies' worth fades (memory 0.9 a round that asked), then one round in 8 asks
+    assert asked_rounds(policy, now, 32) < 32
+    assert asked_rounds(policy, now, 32) == 32 // policy.probe
+    assert policy.acceptance[0] > 0.8  # the estimate did not move: the gate did it

@@ -342,6 +342,15 @@ class CostAwarePolicy:
         self._tree_paths: list[list[int]] | None = None
         self._judged = False  # `depth` judged calibration and exploration for the cut
         self._probed: list[list[Any]] | None = None  # a probe's rows: their drafts' labels
+        # What asking the drafter earns: per round that asked, the tokens it emitted per row
+        # less its period (end to end, waits for the proposal included) in pipelined plain
+        # steps; `emitted` keeps the periods and the mean (see `_asking_pays`).
+        self._ask_value: float | None = None
+        self._ahead_periods: deque[float] = deque(maxlen=9)
+        self._last_end: float | None = None
+        self._asked = False  # this round asked the drafter (`cut`)
+        self._ahead_now = self._ahead_next = False  # this / the next round built ahead
+        self._since_ask = 0  # rounds since the drafter was last asked
         # per row, the proposals whose acceptance the tokens to come will tell (`emitted`)
         self._shadows: list[list[_Shadow]] = []
         self._shadowed: list[bool] = []  # this round's rows whose proposal is shadowed
@@ -355,6 +364,8 @@ class CostAwarePolicy:
         self._row_labels = [{} for _ in range(rows)]
         self._shadows = [[] for _ in range(rows)]
         self._shadowed = []
+        self._last_end, self._asked, self._since_ask = None, False, 0
+        self._ahead_now = self._ahead_next = False
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = self._probed = None
         self._judged = False
@@ -432,8 +443,20 @@ class CostAwarePolicy:
         draft, only every `probe`-th round waits for the proposal (a round built after its
         read runs unpipelined: on the 2-core CPU the engine's prose rounds, cut to plain steps
         after the proposal in 115 of 120, ran 7% slower than plain steps built ahead), and a
-        label's drafts that pay again are taken at most `probe` rounds late. After True the
-        round is noted plain here (`plain`); after False ask `depth` again."""
+        label's drafts that pay again are taken at most `probe` rounds late. Before all that,
+        the rounds that asked the drafter lately are judged by what they earned, end to end
+        (`_asking_pays`: their tokens against the pipelined plain steps their time would have
+        run): where they lost, only every `probe`-th round asks (the labels and acceptance
+        estimates know what a verify costs, not what waiting for a proposal does). After
+        True the round is noted plain here (`plain`); after False ask `depth` again."""
+        # rounds since the drafter was asked, this one (not yet `emitted`) included
+        since_ask = 0 if self._asked else self._since_ask + 1
+        if since_ask + 1 < self.probe and not self._asking_pays():
+            self._started_at, self._proposed_at = self.clock(), None
+            self._why = "drafts do not pay"
+            self.plain(len(room))
+            self._ahead_next = True
+            return True
         if self.depth(k, room, cheap=False) != 0:
             return False
         # A drafter not known cheap (none before a plain step is timed) is not asked when
@@ -448,6 +471,7 @@ class CostAwarePolicy:
             if self._best([[label] * d for d in limits], len(room))[0] > 0:
                 return False
         self.plain(len(room))
+        self._ahead_next = True
         return True
 
     def cut(
@@ -469,6 +493,7 @@ class CostAwarePolicy:
         usable = [max(0, min(c, r - 1)) for c, r in zip(counts, room, strict=True)]
         row_labels = _labels_of(labels, rows)
         self._shadow(drafts, usable, row_labels)
+        self._asked = True
         chains = [[row_labels[b]] * usable[b] for b in range(rows)]
         span, expected, ratio = self._best(chains, rows)
         # A drafter that is not cheap was asked for what `depth` judged by the rule's own
@@ -548,7 +573,9 @@ class CostAwarePolicy:
         (`cut(..., drafts=)`) a verify of all of them would have kept, whether the round
         verified them or not (the target's tokens are the same either way: greedy, or
         drawn as the target's), so acceptance is learnt in rounds that do not draft too.
-        Before `observe` on a verify round: a probe's outcome is judged on it."""
+        Before `observe` on a verify round: a probe's outcome is judged on it. Called once
+        a round, after its tokens are read: it also times the round end to end."""
+        self._period(sum(len(row) for row in tokens) / max(1, len(tokens)))
         for b, row in enumerate(tokens):
             if b >= len(self._shadows) or not self._shadows[b]:
                 continue
@@ -565,6 +592,39 @@ class CostAwarePolicy:
                         still.append(shadow)
                 pending = still
             self._shadows[b] = pending
+
+    def _period(self, tokens: float) -> None:
+        """The round that emitted `tokens` per row ended: its period (since the last round
+        ended) is a pipelined plain step's where it was built ahead, and where it asked the
+        drafter, the round's worth is its tokens less its period in such steps."""
+        now = self.clock()
+        period = None if self._last_end is None else now - self._last_end
+        self._last_end = now
+        ahead, asked = self._ahead_now, self._asked
+        self._ahead_now, self._ahead_next, self._asked = self._ahead_next, False, False
+        self._since_ask = 0 if asked else self._since_ask + 1
+        if period is None or not period > 0:
+            return
+        if ahead:
+            self._ahead_periods.append(period)
+            return
+        # a plain step built ahead: its period, else the cost model's (timed ahead too)
+        step = (statistics.median(self._ahead_periods) if self._ahead_periods
+                else self.cost.plain_seconds(len(self._rows)))  # fmt: skip
+        if asked and step:
+            value = tokens - period / step
+            old = self._ask_value
+            self._ask_value = (
+                value if old is None else self.memory * old + (1 - self.memory) * value
+            )
+
+    def _asking_pays(self) -> bool:
+        """Whether the rounds that asked the drafter lately emitted more tokens than
+        pipelined plain steps would have in their time (unknown: yes). On the H100 a plain
+        step that waited for a proposal took 1.5x one built ahead (9.9 against 6.5 ms, one
+        SmolLM2 row) and a verify 1.7-2x: on prose the policy asked in 91 of 170 rounds
+        for drafts it mostly did not verify, and decoded at 0.74x plain."""
+        return self._ask_value is None or self._ask_value > 0
 
     def _shadow(self, drafts: Any, usable: list[int], labels: list[Any]) -> None:
         """Keep this round's proposal per row (its usable drafts) until `emitted` tells
