@@ -10,7 +10,7 @@ The clock: a pipelined plain step (built before the last one's tokens are read) 
 plain step that waited for a proposal `1 + drain`, a verify of w drafts `verify + slope *
 w`. Profiles: `h100` from the H100 on 2026-12-07 (one SmolLM2 row: plain steps built ahead
 6.5 ms, after a proposal 9.9 ms, verifies of 1-8 drafts 11-13 ms:
-benchmarks/results/h100-2026-12-07/policy-rounds.txt); `flat`, the verify costs fitted
+benchmarks/results/h100-2026-12-07/policy-rounds-shadows-before-gate.txt); `flat`, the verify costs fitted
 to the H100's fixed-k columns of benchmarks/policy.py earlier that day; `cpu`, the 2-core
 CPU's shape (benchmarks/probes/policy_loop_simulation.py). Printed per profile and prompt:
 tokens per unit of time over plain decoding for fixed k = 1..8 and the policy, and the
