@@ -86,7 +86,10 @@ class Drafter(Protocol):
     by which the drafting policy learns acceptance (`NGramDrafter`: the match's (n,
     occurrences)). A label must not depend on a sampled draft's own value (the policy's
     choice of how many drafts to verify would then bias sampled output); deterministic
-    drafters' labels are always fine."""
+    drafters' labels are always fine. A drafter whose drafts are host ints may state them
+    too: after `propose`, `proposed` is a list with each row's drafts, and the policy learns
+    their acceptance from the tokens that follow, verified or not (`NGramDrafter`); a
+    drafter computing on the device should not (reading its drafts would wait for them)."""
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """The generator prefilled these prompts (one per row) into the target. `key`: the
