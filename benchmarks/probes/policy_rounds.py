@@ -122,22 +122,13 @@ def timed(run: Any) -> float:
 
 
 def smollm(kinds: list[str], n: int, reps: int, trace: bool) -> None:
-    from _fixtures import VECTOR_CODE, smollm2
-    from policy import CHAT, PROSE
+    from policy import loaded_smollm2, smollm_prompts
 
     from kvstate.adapters import wrap
 
-    loaded = smollm2()
-    if loaded is None:
-        raise SystemExit("no SmolLM2")
-    model, tokenizer = loaded
+    model, tokenizer = loaded_smollm2()
     target = wrap(model)
-    chat = [{"role": "user", "content": CHAT}]
-    prompts = {
-        "code": tokenizer.encode(VECTOR_CODE)[:50],
-        "prose": tokenizer.encode(PROSE),
-        "chat": list(tokenizer.apply_chat_template(chat, add_generation_prompt=True)),
-    }
+    prompts = {label.split()[0]: p for label, p in smollm_prompts(tokenizer).items()}
 
     def run(prompt: list[int], **kw: Any) -> None:
         drafter = NGramDrafter() if kw.pop("ngram", True) else None
