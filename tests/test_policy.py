@@ -776,3 +776,31 @@ def test_rounds_that_wait_for_proposals_in_vain_stop_asking():
     assert asked_rounds(policy, now, 32) < 32
     assert asked_rounds(policy, now, 32) == 32 // policy.probe
     assert policy.acceptance[0] > 0.8  # the estimate did not move: the gate did it
+
+
+def test_a_peek_past_the_read_decides_whether_the_next_round_waits_for_a_proposal():
+    """After a round built ahead, the generator peeks at what a free drafter would propose
+    past the last token read (`peek`). The next round waits for the drafter's proposal only
+    where those drafts would pay: a label that pays peeked -> wait; nothing peeked -> the
+    round is built ahead, though the best label learnt would pay (the rule without the peek
+    waits then, and on code's lulls waited in vain). The peeked drafts are learnt from too."""
+    policy = CostAwarePolicy(cost=FixedCost(lambda w: 1.2, plain=0.010), clock=lambda: 0.0)
+    policy.begin(1)
+    for _ in range(3):  # label "L" kept every draft
+        policy.depth(K, [1000], cheap=True)
+        policy.cut([4], [1000], ["L"])
+        policy.observe([4])
+    policy.plain(1)
+    policy.observe([0])
+    assert policy.plain_ahead(K, [999]) is False  # no peek: the best label pays, so wait
+    policy.plain(1)
+    policy.observe([0])
+    policy.peek([0], [None], [[]])  # nothing past the read
+    assert policy.plain_ahead(K, [999]) is True
+    policy.emitted([[3]])
+    policy.peek([4], ["L"], [[5, 6, 7, 8]])
+    policy.observe([0])
+    assert policy.plain_ahead(K, [999]) is False
+    before = policy.acceptance[0]
+    policy.emitted([[9]])  # the peeked first draft missed: learnt
+    assert policy.acceptance[0] < before

@@ -122,6 +122,9 @@ def with_policy(prompt: list[int], output: list[int], n: int, make: Any,
             told(tokens)
         replay.advance(step)
         emitted += step
+        if ahead and hasattr(policy, "peek"):  # the generator peeks past the read
+            drafts, label, _ = replay.propose(K)
+            policy.peek([len(drafts)], [label], [drafts])
     return n / now[0]
 
 

@@ -23,6 +23,7 @@ from ..speculative import (
     launch_plain,
     position_keys,
 )
+from ..speculative._batch_round import peek_past_read
 from ._drafting import Drafting
 from ._rows import Batch, Row
 from ._stats import Counters
@@ -125,7 +126,10 @@ def run_round(
             policy.observe(r.accepted, timed=quiet or not pipelined)
     if r.span:
         counters.accepted += sum(r.accepted)
-    return _emitted(rows, r), asked
+    out = _emitted(rows, r)
+    if batch.launched is not None and policy is not None and drafting is not None:
+        peek_past_read(drafting.drafter, [row.last for row in rows], k, policy)
+    return out, asked
 
 
 def _launch(

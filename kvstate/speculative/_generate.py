@@ -19,7 +19,7 @@ import mlx.core as mx
 from .. import NotSupportedError, StateError, capabilities, filter
 from ..distributed import agree, group_of
 from ..kinds import host_ints
-from ._batch_round import proposal_of
+from ._batch_round import peek_past_read, proposal_of
 from ._checks import (
     Extras,
     checked_call,
@@ -375,6 +375,8 @@ def _rounds(
         out = live.emit(r, max_tokens, eos)
         done = finish(out, live.emitted, max_tokens, eos, live.rows)
         live.last = r.next_tokens
+        if asked_ahead == 0 and policy is not None and not all(done):  # the next: built ahead
+            peek_past_read(drafter, live.last, k, policy)
 
 
 def _policy_of(

@@ -351,6 +351,7 @@ class CostAwarePolicy:
         self._asked = False  # this round asked the drafter (`cut`)
         self._ahead_now = self._ahead_next = False  # this / the next round built ahead
         self._since_ask = 0  # rounds since the drafter was last asked
+        self._peeked: list[list[Any]] | None = None  # the drafts' labels seen past the read
         # per row, the proposals whose acceptance the tokens to come will tell (`emitted`)
         self._shadows: list[list[_Shadow]] = []
         self._shadowed: list[bool] = []  # this round's rows whose proposal is shadowed
@@ -366,6 +367,7 @@ class CostAwarePolicy:
         self._shadowed = []
         self._last_end, self._asked, self._since_ask = None, False, 0
         self._ahead_now = self._ahead_next = False
+        self._peeked = None
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = self._probed = None
         self._judged = False
@@ -384,6 +386,7 @@ class CostAwarePolicy:
         self._row_labels = [self._row_labels[i] for i in alive]
         self._shadows = [self._shadows[i] for i in alive]
         self._shadowed = []
+        self._peeked = None
 
     # -- what it measured ----------------------------------------------------------------
 
@@ -447,12 +450,27 @@ class CostAwarePolicy:
         the rounds that asked the drafter lately are judged by what they earned, end to end
         (`_asking_pays`: their tokens against the pipelined plain steps their time would have
         run): where they lost, only every `probe`-th round asks (the labels and acceptance
-        estimates know what a verify costs, not what waiting for a proposal does). After
-        True the round is noted plain here (`plain`); after False ask `depth` again."""
+        estimates know what a verify costs, not what waiting for a proposal does). Then,
+        where the drafter was peeked past the last read (`peek`), the round waits for its
+        proposal only where the peeked drafts would pay (not for the best label learnt).
+        After True the round is noted plain here (`plain`); after False ask `depth` again."""
         # rounds since the drafter was asked, this one (not yet `emitted`) included
         since_ask = 0 if self._asked else self._since_ask + 1
         if since_ask + 1 < self.probe and not self._asking_pays():
             self._started_at, self._proposed_at = self.clock(), None
+            self._why = "drafts do not pay"
+            self.plain(len(room))
+            self._ahead_next = True
+            return True
+        peeked, self._peeked = self._peeked, None
+        if peeked is not None and len(peeked) == len(room):
+            # what the drafter proposed past the last read: its drafts likely go on after
+            # the token being read (a match goes on where its first draft is right)
+            limits = [max(0, min(k, r - 1)) for r in room]
+            chains = [c[:n] for c, n in zip(peeked, limits, strict=True)]
+            self.depth(k, room, cheap=False)  # starts the round's clock
+            if self._best(chains, len(room))[0] > 0:
+                return False
             self._why = "drafts do not pay"
             self.plain(len(room))
             self._ahead_next = True
@@ -592,6 +610,20 @@ class CostAwarePolicy:
                         still.append(shadow)
                 pending = still
             self._shadows[b] = pending
+
+    def peek(self, counts: Sequence[int], labels: Any = None, drafts: Any = None) -> None:
+        """A proposal made past the last read, in a round built ahead (a drafter that is free
+        to ask, e.g. `NGramDrafter`): `counts`, `labels` and `drafts` as `cut` takes them.
+        Nothing is verified; the next `plain_ahead` asks the drafter again (after the read)
+        where these drafts would pay, and their acceptance is learnt from the tokens to come
+        (their first predicts the token now in flight)."""
+        rows = len(counts)
+        labels_of = _labels_of(labels, rows)
+        self._peeked = [[labels_of[b]] * int(counts[b]) for b in range(rows)]
+        if drafts is not None and len(drafts) == rows == len(self._shadows):
+            for b, row in enumerate(drafts):
+                if len(row):
+                    self._shadows[b].append(_Shadow([int(t) for t in row], labels_of[b]))
 
     def _period(self, tokens: float) -> None:
         """The round that emitted `tokens` per row ended: its period (since the last round
