@@ -804,3 +804,17 @@ def test_a_peek_past_the_read_decides_whether_the_next_round_waits_for_a_proposa
     before = policy.acceptance[0]
     policy.emitted([[9]])  # the peeked first draft missed: learnt
     assert policy.acceptance[0] < before
+
+
+def test_the_ngram_drafters_peek_is_its_proposal_and_changes_nothing():
+    """`NGramDrafter.peek` (what the policy peeks past the read): the drafts and labels its
+    `propose` gives for the same rows, on the host, and nothing it states changes."""
+    drafter = NGramDrafter()
+    drafter.start([[1, 2, 3, 4, 1, 2], [5, 6, 7]])
+    drafter.propose([9, 9], 4, Sampler())  # what it states now: nothing matched
+    stated = (list(drafter.proposed), list(drafter.confidence))
+    peeked = drafter.peek([3, 9], 4)
+    assert (drafter.proposed, drafter.confidence) == stated
+    proposal = drafter.propose([3, 9], 4, Sampler())
+    assert peeked == (drafter.proposed, drafter.confidence)
+    assert peeked[0] == [[4, 1, 2, 3], []] and proposal.counts == [4, 0]

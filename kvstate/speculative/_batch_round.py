@@ -58,18 +58,15 @@ def proposal_of(
 
 
 def peek_past_read(drafter: Any, last: list[int], k: int, policy: Any) -> None:
-    """After a round whose successor is a plain step built ahead: where the drafter states
-    its drafts on the host (`proposed`: `NGramDrafter`, whose proposal is free and changes
-    nothing), what it would propose after each row's newest token, told to `policy.peek`
-    (the next round then waits for a proposal only where these drafts would pay)."""
-    if not hasattr(drafter, "proposed") or getattr(drafter, "uses_hidden", False):
+    """After a round whose successor is a plain step built ahead: where the drafter can say on
+    the host, changing nothing, what it would propose (`peek(last, k) -> (drafts, labels)`:
+    `NGramDrafter`), its drafts after each row's newest token, told to `policy.peek` (the next
+    round then waits for a proposal only where these drafts would pay)."""
+    peek = getattr(drafter, "peek", None)
+    if peek is None:
         return
-    drafter.propose(last, k, _PEEK)
-    proposed = drafter.proposed
-    policy.peek([len(d) for d in proposed], getattr(drafter, "confidence", None), proposed)
-
-
-_PEEK = Sampler()  # what a peek passes for the sampler (a host drafter draws nothing)
+    drafts, labels = peek(last, k)
+    policy.peek([len(d) for d in drafts], labels, drafts)
 
 
 def round_plan(state: Any, drafter: Any = None) -> RoundPlan:

@@ -89,7 +89,10 @@ class Drafter(Protocol):
     drafters' labels are always fine. A drafter whose drafts are host ints may state them
     too: after `propose`, `proposed` is a list with each row's drafts, and the policy learns
     their acceptance from the tokens that follow, verified or not (`NGramDrafter`); a
-    drafter computing on the device should not (reading its drafts would wait for them)."""
+    drafter computing on the device should not (reading its drafts would wait for them).
+    One whose proposal is free and changes nothing may offer `peek(last, k) -> (drafts,
+    labels)` (host lists): the policy peeks past the last token read in rounds built ahead,
+    to know whether the next round should wait for a proposal."""
 
     def start(self, prompts: list[list[int]], *, key: mx.array | None = None) -> None:
         """The generator prefilled these prompts (one per row) into the target. `key`: the

@@ -83,17 +83,23 @@ class NGramDrafter:
             self._extend(len(self.history) - 1, list(prompt))
 
     def propose(self, last: list[int], k: int, sampler: Sampler) -> Proposal:
-        last = self._checked("NGramDrafter.propose", last, k)
-        drafts, counts, confidence, proposed = [], [], [], []
-        for row, token in enumerate(last):
-            found, label = self._lookup(row, token, k)
-            counts.append(len(found))
-            drafts.append(found + [0] * (k - len(found)))
-            confidence.append(label)
-            proposed.append(found)
+        proposed, confidence = self._found(last, k, "NGramDrafter.propose")
+        counts = [len(found) for found in proposed]
+        drafts = [found + [0] * (k - len(found)) for found in proposed]
         self.confidence, self.proposed = confidence, proposed
         # Every draft is an id of some row's history (or the filler 0): below `_top + 1`.
         return Drafted(mx.array(drafts, mx.int32), counts, None, self._top + 1)
+
+    def peek(self, last: list[int], k: int) -> tuple[list[list[int]], list[Any]]:
+        """What `propose` would draft after each row's `last` token, on the host, and its
+        confidence labels, changing nothing (a drafting policy peeks past the last token read
+        in rounds built ahead)."""
+        return self._found(last, k, "NGramDrafter.peek")
+
+    def _found(self, last: Any, k: Any, where: str) -> tuple[list[list[int]], list[Any]]:
+        last = self._checked(where, last, k)
+        found = [self._lookup(row, token, k) for row, token in enumerate(last)]
+        return [drafts for drafts, _ in found], [label for _, label in found]
 
     def propose_tree(self, last: int, k: int, sampler: Sampler) -> DraftTree:
         if not values.is_integer(last):
