@@ -96,6 +96,10 @@ with wrap_options(buckets=$force):
   policy-smollm)  # issue 24: the default policy against every fixed k on SmolLM2's three prompts
     step 400 policy-smollm python3 benchmarks/policy.py --parts smollm --reps 2
     ;;
+  policy-rounds)  # issue 24: one SmolLM2 row's rounds by kind and their times (where the policy loses)
+    step 200 policy-rounds python3 benchmarks/probes/policy_rounds.py --smollm code,prose,chat \
+      --tokens 200 --trace
+    ;;
   policy-hybrid)  # issue 24: the oracle hybrid at p = 0.2 .. 0.95 (float32: TF32 off)
     step 400 policy-hybrid env MLX_ENABLE_TF32=0 python3 benchmarks/policy.py --size large --parts hybrid \
       --hybrid-tokens 160 --hybrid-reps 2
@@ -104,6 +108,6 @@ with wrap_options(buckets=$force):
     step 200 ragged-reference env MLX_ENABLE_TF32=0 python3 benchmarks/probes/ragged_verify_kernel.py \
       --rows 2 8 --widths 3 5 --reps 3 --reference float32 --no-kernel-check
     ;;
-  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all] [plain-tests] [real-speed] [engine-rounds] [policy-smollm] [policy-hybrid] [ragged-reference]"; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh [tests] [quantized] [decode] [overhead] [spec] [spec-llama] [drafters] [trees] [launch] [kernel-tests] [sampled-300] [spec-all] [plain-tests] [real-speed] [engine-rounds] [policy-smollm] [policy-rounds] [policy-hybrid] [ragged-reference]"; exit 2 ;;
 esac
 done
