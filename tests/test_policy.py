@@ -818,3 +818,31 @@ def test_the_ngram_drafters_peek_is_its_proposal_and_changes_nothing():
     proposal = drafter.propose([3, 9], 4, Sampler())
     assert peeked == (drafter.proposed, drafter.confidence)
     assert peeked[0] == [[4, 1, 2, 3], []] and proposal.counts == [4, 0]
+
+
+def test_learning_from_the_tokens_equals_learning_from_the_verify_when_all_is_verified():
+    """Where every proposal is verified whole, what `emitted` learns from the tokens (drafts
+    stated) is what `observe` learnt from the accepted counts (drafts not stated): the same
+    acceptance per row and per label, round after round (random proposals and outcomes)."""
+    rng = random.Random(7)
+    stated = CostAwarePolicy(cost=FixedCost(lambda w: 1.0), clock=lambda: 0.0)
+    counted = CostAwarePolicy(cost=FixedCost(lambda w: 1.0), clock=lambda: 0.0)
+    for policy in (stated, counted):
+        policy.begin(2)
+    for _ in range(40):
+        drafts = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 4))] for _ in range(2)]
+        labels = [rng.choice("ab") for _ in range(2)]
+        kept = [rng.randint(0, len(d)) for d in drafts]
+        tokens = [[*d[:a], 0] for d, a in zip(drafts, kept, strict=True)]  # 0: never a draft
+        counts = [len(d) for d in drafts]
+        for policy in (stated, counted):
+            policy.depth(K, [1000, 1000], cheap=True)
+        # every row's whole proposal verified (a flat cost: the longest span pays most)
+        assert stated.cut(counts, [1000, 1000], labels, drafts) == counts
+        assert counted.cut(counts, [1000, 1000], labels) == counts
+        for policy in (stated, counted):
+            policy.emitted(tokens)
+            policy.observe(kept)
+        assert stated.acceptance == pytest.approx(counted.acceptance)
+    assert stated._alpha(0, "a") == pytest.approx(counted._alpha(0, "a"))
+    assert stated._alpha(1, "b") == pytest.approx(counted._alpha(1, "b"))
