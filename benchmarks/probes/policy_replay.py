@@ -1,7 +1,8 @@
 """The drafting policy replayed on SmolLM2's greedy output (issue 24), on a simulated clock
 whose costs are given: where does `CostAwarePolicy` lose against the best fixed k, and what
 would another rule do? SmolLM2-135M decodes each of policy.py's three prompts (code, prose,
-chat) greedily once (on this machine; a minute on 2 CPU cores); then the n-gram drafter
+chat) greedily once (on this machine: a minute on 2 CPU cores, the 40 held-out prompts ten;
+kept in ~/.cache/kvstate/policy_replay.json); then the n-gram drafter
 (`NGramDrafter`, prompt lookup) is replayed along that output: its drafts at every position
 are what it proposes there, and a verify keeps the ones equal to the output (greedy: exact
 for any policy), so the policy meets the drafter's real acceptance, labels and bursts.
@@ -9,12 +10,13 @@ for any policy), so the policy meets the drafter's real acceptance, labels and b
 The clock: a pipelined plain step (built before the last one's tokens are read) costs 1, a
 plain step that waited for a proposal `1 + drain`, a verify of w drafts `verify + slope *
 w`. Profiles: `h100` from the H100 on 2026-12-07 (one SmolLM2 row: plain steps built ahead
-6.5 ms, after a proposal 9.9 ms, verifies of 1-8 drafts 11-13 ms:
-benchmarks/results/h100-2026-12-07/policy-rounds-shadows-before-gate.txt); `flat`, the verify costs fitted
-to the H100's fixed-k columns of benchmarks/policy.py earlier that day; `cpu`, the 2-core
+6.5 ms, after a proposal 9.9 ms, verifies of 1-8 drafts 11-13 ms: benchmarks/results/
+h100-2026-12-07/policy-rounds-shadows-before-gate.txt); `flat`, the verify costs fitted to
+the H100's fixed-k columns of benchmarks/policy.py earlier that day; `cpu`, the 2-core
 CPU's shape (benchmarks/probes/policy_loop_simulation.py). Printed per profile and prompt:
-tokens per unit of time over plain decoding for fixed k = 1..8 and the policy, and the
-policy over the best of them (k = 0, plain decoding, included).
+tokens per unit of time over plain decoding for fixed k = 1..8 and the policy (driven as
+`generate` drives it: plain steps built ahead where `plain_ahead` says so, the drafter peeked
+past the read), and the policy over the best of them (k = 0, plain decoding, included).
 
 `--held-out N`: the first N prompts of each kind of benchmarks/policy_prompts.json (never
 used to tune the policy) instead, `--tokens` each; printed per profile and kind: the median
