@@ -775,6 +775,7 @@ def test_rounds_that_wait_for_proposals_in_vain_stop_asking():
     # the verifies' worth fades (memory 0.9 a round that asked), then one round in 8 asks
     assert asked_rounds(policy, now, 32) < 32
     assert asked_rounds(policy, now, 32) == 32 // policy.probe
+    assert policy.ask_worth is not None and policy.ask_worth < 0
     assert policy.acceptance[0] > 0.8  # the estimate did not move: the gate did it
 
 

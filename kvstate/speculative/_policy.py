@@ -396,6 +396,13 @@ class CostAwarePolicy:
         the ones before it were)."""
         return [self._alpha(b, None) for b in range(len(self._rows))]
 
+    @property
+    def ask_worth(self) -> float | None:
+        """What the rounds that asked the drafter lately earned per row: their tokens less
+        their time in pipelined plain steps (a decayed mean; None before any). Below 0 only
+        every `probe`-th round asks (`plain_ahead`)."""
+        return self._ask_value
+
     def cost_ratio(self, width: int, rows: int | None = None) -> float:
         """The estimated cost of a round verifying `width` drafts over `rows` rows (default:
         the current batch) relative to a plain step."""
