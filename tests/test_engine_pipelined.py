@@ -106,3 +106,41 @@ def test_a_turn_end_is_cached_with_every_token_its_state_holds(target, end):
     held = len(PROMPTS[0]) + len(first.tokens) - (end == "length")
     assert again.cached_tokens == held
     assert again.tokens == alone(target, turn, again.params)
+
+
+class Told(CostAwarePolicy):
+    """The policy, what it is told written down: each row's tokens, round after round
+    (`emitted`), and how many peeks past the read came."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.streams: dict[int, list[int]] = {}
+        self.peeks = 0
+
+    def emitted(self, tokens: Any) -> None:
+        for b, row in enumerate(tokens):
+            self.streams.setdefault(b, []).extend(row)
+        super().emitted(tokens)
+
+    def peek(self, counts: Any, labels: Any = None, drafts: Any = None) -> None:
+        self.peeks += 1
+        super().peek(counts, labels, drafts)
+
+
+def test_the_policy_is_told_every_rounds_tokens_and_peeks_where_rounds_are_built_ahead(target):
+    """`generate` and the engine tell the policy each round's tokens (what its learning from
+    unverified drafts and its end-to-end timing rest on): one request's stream of them is its
+    output after the prefill's token; and in rounds built ahead they peek past the read (the n-gram drafter's `peek`)."""
+    prompt = [3, 17, 42, 59, 3, 17, 42, 59, 3, 17]  # repeats: the drafter finds matches
+    policy = Told(cost=FixedCost(lambda w: 100.0, plain=1.0), probe_budget=math.inf)
+    out = [t.token for r in generate(target, [prompt], NGramDrafter(), max_tokens=30,
+                                     policy=policy) for t in r]  # fmt: skip
+    # the first token comes from the prefill, the rest from rounds
+    assert len(out) == 30 and policy.streams[0][:29] == out[1:]
+    assert policy.peeks > 0
+    policy = Told(cost=FixedCost(lambda w: 100.0, plain=1.0), probe_budget=math.inf)
+    engine = Engine(target, NGramDrafter(), policy=policy)
+    request = engine.submit(prompt, RequestParams(max_tokens=30))
+    run_all(engine)
+    assert request.tokens == out and policy.streams[0][:29] == out[1:]
+    assert policy.peeks > 0

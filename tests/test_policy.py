@@ -759,9 +759,8 @@ def test_rounds_that_wait_for_proposals_in_vain_stop_asking():
     step runs after the read (15 ms against 10 ms built ahead) and earns one token. The
     rounds that asked are judged end to end (1 token in 1.5 plain steps' time): once the
     verifies' worth fades the policy asks only every `probe`-th round, and builds the others
-    ahead. Its acceptance
-    estimate alone would ask every round (nothing proposed, nothing learnt): the H100's
-    prose, 91 of 170 rounds waiting for a proposal, 0.74x plain decoding."""
+    ahead. Its acceptance estimate alone would ask every round (nothing proposed, nothing
+    learnt): the H100's prose, 91 of 170 rounds waiting for a proposal, 0.74x plain."""
     now = [0.0]
     policy = CostAwarePolicy(cost=FixedCost(lambda w: 1.2, plain=0.010), clock=lambda: now[0])
     policy.begin(1)

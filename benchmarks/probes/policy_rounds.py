@@ -38,20 +38,20 @@ class Logged(CostAwarePolicy):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.log: list[dict[str, Any]] = []
-        self._why = ""
+        self._tags = ""  # calibration "C" and halved spans "Hw" (not the policy's own `_why`)
 
     def depth(self, k: int, room: Any, *, cheap: bool | None = None) -> int:
-        self._why = ""
+        self._tags = ""
         return super().depth(k, room, cheap=cheap)
 
     def _calibrating(self, rows: int, score: float) -> bool:
         out = super()._calibrating(rows, score)
-        self._why += "C" if out else ""
+        self._tags += "C" if out else ""
         return out
 
     def _explored(self, rows: int, span: int) -> int:
         out = super()._explored(rows, span)
-        self._why += f"H{span}" if out != span else ""
+        self._tags += f"H{span}" if out != span else ""
         return out
 
     def observe(self, accepted: Any, width: Any = None, *, timed: bool = True) -> None:
@@ -61,7 +61,7 @@ class Logged(CostAwarePolicy):
         self.log.append({
             "span": 0 if decision is None else decision.span,
             "probe": bool(decision and decision.probe),
-            "why": self._why,
+            "why": ("" if decision is None else decision.reason) + self._tags,
             "accepted": sum(accepted),
             "seconds": None if start is None else self.clock() - start,
             "ratios": [round(self.cost.ratio(1, w), 2) for w in (1, 2, 4, 8)],

@@ -464,24 +464,16 @@ class CostAwarePolicy:
         # rounds since the drafter was asked, this one (not yet `emitted`) included
         since_ask = 0 if self._asked else self._since_ask + 1
         if since_ask + 1 < self.probe and not self._asking_pays():
-            self._started_at, self._proposed_at = self.clock(), None
-            self._why = "drafts do not pay"
-            self.plain(len(room))
-            self._ahead_next = True
-            return True
+            return self._built_ahead(len(room), clock=True)
         peeked, self._peeked = self._peeked, None
+        limits = [max(0, min(k, r - 1)) for r in room]
         if peeked is not None and len(peeked) == len(room):
             # what the drafter proposed past the last read: its drafts likely go on after
             # the token being read (a match goes on where its first draft is right)
-            limits = [max(0, min(k, r - 1)) for r in room]
             chains = [c[:n] for c, n in zip(peeked, limits, strict=True)]
-            self.depth(k, room, cheap=False)  # starts the round's clock
             if self._best(chains, len(room))[0] > 0:
                 return False
-            self._why = "drafts do not pay"
-            self.plain(len(room))
-            self._ahead_next = True
-            return True
+            return self._built_ahead(len(room), clock=True)
         if self.depth(k, room, cheap=False) != 0:
             return False
         # A drafter not known cheap (none before a plain step is timed) is not asked when
@@ -492,10 +484,17 @@ class CostAwarePolicy:
             # the cut's own rule, every row's drafts after the best label
             label = max(self._labels, key=lambda x: self._labels[x].mean(self.prior,
                                                                           self.prior_weight))  # fmt: skip
-            limits = [max(0, min(k, r - 1)) for r in room]
             if self._best([[label] * d for d in limits], len(room))[0] > 0:
                 return False
-        self.plain(len(room))
+        return self._built_ahead(len(room), clock=False)
+
+    def _built_ahead(self, rows: int, *, clock: bool) -> bool:
+        """`plain_ahead`'s yes: the round is a plain step, built before the read (`clock`:
+        its round clock starts here, `depth` not having started it)."""
+        if clock:
+            self._started_at, self._proposed_at = self.clock(), None
+            self._why = "drafts do not pay"
+        self.plain(rows)
         self._ahead_next = True
         return True
 
@@ -517,7 +516,7 @@ class CostAwarePolicy:
         rows = len(counts)
         usable = [max(0, min(c, r - 1)) for c, r in zip(counts, room, strict=True)]
         row_labels = _labels_of(labels, rows)
-        self._shadow(drafts, usable, row_labels)
+        self._shadowed = self._shadow(drafts, usable, row_labels)
         self._asked = True
         chains = [[row_labels[b]] * usable[b] for b in range(rows)]
         span, expected, ratio = self._best(chains, rows)
@@ -627,10 +626,7 @@ class CostAwarePolicy:
         rows = len(counts)
         labels_of = _labels_of(labels, rows)
         self._peeked = [[labels_of[b]] * int(counts[b]) for b in range(rows)]
-        if drafts is not None and len(drafts) == rows == len(self._shadows):
-            for b, row in enumerate(drafts):
-                if len(row):
-                    self._shadows[b].append(_Shadow([int(t) for t in row], labels_of[b]))
+        self._shadow(drafts, list(counts), labels_of)
 
     def _period(self, tokens: float) -> None:
         """The round that emitted `tokens` per row ended: its period (since the last round
@@ -665,17 +661,17 @@ class CostAwarePolicy:
         for drafts it mostly did not verify, and decoded at 0.74x plain."""
         return self._ask_value is None or self._ask_value > 0
 
-    def _shadow(self, drafts: Any, usable: list[int], labels: list[Any]) -> None:
-        """Keep this round's proposal per row (its usable drafts) until `emitted` tells
-        how many a verify would keep."""
-        self._shadowed = []
+    def _shadow(self, drafts: Any, usable: list[int], labels: list[Any]) -> list[bool]:
+        """Keep a proposal's first `usable[b]` drafts of each row until `emitted` tells how
+        many a verify would keep; returns the rows kept (none where no drafts are stated)."""
         if drafts is None or len(drafts) != len(usable) or len(self._shadows) != len(usable):
-            return
+            return []
+        kept = []
         for b, (row, n) in enumerate(zip(drafts, usable, strict=True)):
-            shadowed = n > 0 and len(row) >= n
-            self._shadowed.append(shadowed)
-            if shadowed:
+            kept.append(n > 0 and len(row) >= n)
+            if kept[-1]:
                 self._shadows[b].append(_Shadow([int(t) for t in row[:n]], labels[b]))
+        return kept
 
     def _learn(self, row: int, label: Any, hits: int, tries: int) -> None:
         """Row `row`'s drafter had `hits` of `tries` drafts accepted after `label`."""
