@@ -41,6 +41,9 @@ case "$part" in
   decode)
     step 150 decode python3 benchmarks/verify.py --only decode
     ;;
+  matmul-launch)  # a verify's matmuls: host launch per matmul by rows (gemv vs GEMM, 4-bit)
+    step 120 matmul-launch python3 benchmarks/probes/matmul_launch.py
+    ;;
   launch)  # a verify forward's host time by attention path (buckets, cuDNN, the verify kernel)
     step 200 verify-launch python3 benchmarks/probes/verify_launch.py
     ;;

@@ -111,6 +111,9 @@ class CostModel:
         self.confirm = confirm
         self._times: dict[int, dict[int, deque[tuple[int, float]]]] = {}
         self._cache: dict[int, tuple[float | None, float | None, float | None]] = {}
+        # `_nearest`'s and `ratio`'s answers since the last timing (asked per span per round)
+        self._near: dict[int, int] = {}
+        self._ratios: dict[tuple[int, int], float] = {}
         self._seen = 0
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
@@ -129,6 +132,8 @@ class CostModel:
                         del t[w]
             self._cache.clear()
         self._cache.pop(rows, None)
+        self._near.clear()
+        self._ratios.clear()
 
     def plain_timings(self, rows: int) -> int:
         """How many plain steps are kept, over every batch size: what calibration counts (a
@@ -160,6 +165,12 @@ class CostModel:
         """cost(width) / cost(plain step), >= 1 (1 for width 0)."""
         if width <= 0:
             return 1.0
+        ratio = self._ratios.get((rows, width))
+        if ratio is None:
+            ratio = self._ratios[rows, width] = self._priced(rows, width)
+        return ratio
+
+    def _priced(self, rows: int, width: int) -> float:
         plain, a, b = self._fit(self._nearest(rows))
         prior = 1.0 + self.overhead + self.slope * width
         if a is None or b is None:
@@ -171,12 +182,15 @@ class CostModel:
     def _nearest(self, rows: int) -> int:
         """The batch size whose timings stand for `rows`: itself once it has a plain step and
         a verify timed, else the nearest one that has, else itself."""
-        if _complete(self._times.get(rows, {}), self.confirm):
-            return rows
-        complete = [r for r, t in self._times.items() if _complete(t, self.confirm)]
-        if complete:
-            return min(complete, key=lambda r: (abs(r - rows), r))
-        return rows
+        near = self._near.get(rows)
+        if near is None:
+            near = rows
+            if not _complete(self._times.get(rows, {}), self.confirm):
+                complete = [r for r, t in self._times.items() if _complete(t, self.confirm)]
+                if complete:
+                    near = min(complete, key=lambda r: (abs(r - rows), r))
+            self._near[rows] = near
+        return near
 
     def _fit(self, rows: int) -> tuple[float | None, float | None, float | None]:
         """(plain-step median or None, intercept, slope) for `rows`' verify widths."""
@@ -738,8 +752,10 @@ class CostAwarePolicy:
         # Each row's expected tokens after 0 .. len(chain) drafts, in one pass per row (a
         # row with fewer drafts than w keeps its last figure).
         totals = [self._running(b, c) for b, c in enumerate(chains)]
+        padded = [t + t[-1:] * (most + 1 - len(t)) for t in totals]
+        by_span = [sum(col) for col in zip(*padded, strict=True)]
         for w in range(1, most + 1):
-            expected = sum(t[min(w, len(t) - 1)] for t in totals)
+            expected = by_span[w]
             ratio = self.cost.ratio(rows, w)
             if expected / ratio > score * (1 + 1e-9):
                 best, score = (w, expected, ratio), expected / ratio
@@ -748,8 +764,12 @@ class CostAwarePolicy:
     def _running(self, row: int, labels: list[Any]) -> list[float]:
         """Row `row`'s expected tokens from its first 0, 1, .. len(labels) drafts."""
         out, total, chance = [1.0], 1.0, 1.0
+        seen: Any = _UNSEEN
+        alpha = 0.0
         for label in labels:
-            chance *= self._alpha(row, label)
+            if label != seen:  # a chain's drafts share one label: its acceptance looked up once
+                seen, alpha = label, self._alpha(row, label)
+            chance *= alpha
             total += chance
             out.append(total)
         return out
@@ -854,6 +874,9 @@ def check_policy_arguments(who: str, adaptive: Any, policy: Any) -> None:
             f"{who}: adaptive=False verifies k drafts every round; it takes no policy "
             "(drop policy=, or adaptive=False)"
         )
+
+
+_UNSEEN = object()  # equal to no drafter label
 
 
 def _labels_of(labels: Any, rows: int) -> list[Any]:
