@@ -806,6 +806,35 @@ def test_a_peek_past_the_read_decides_whether_the_next_round_waits_for_a_proposa
     assert policy.acceptance[0] < before
 
 
+def test_a_round_left_to_wait_for_a_proposal_asks_for_it_though_drafts_stopped():
+    """Drafts stopped paying on the row (idle: a cheap drafter is then asked only every
+    `probe`-th round), but a peek past the read shows a label that pays: `plain_ahead` leaves
+    the round to wait for the proposal, and `depth` asks for it. Before, `depth`'s idle rule
+    did not ask, and the round waited for nothing: an unpipelined plain step (on the H100
+    1.5 pipelined ones; 16 of 190 rounds in the chat replay)."""
+    ratio = [1.2]
+    policy = CostAwarePolicy(cost=FixedCost(lambda w: ratio[0], plain=0.010), clock=lambda: 0.0)
+    policy.begin(1)
+    for _ in range(3):  # label "L" kept every draft
+        policy.depth(K, [1000], cheap=True)
+        policy.cut([4], [1000], ["L"])
+        policy.observe([4])
+    ratio[0] = 2.5  # verifies dear now: only a label as good as "L" pays
+    for _ in range(20):  # "M" proposals, learnt from the tokens: every first draft missed
+        if policy.depth(K, [1000], cheap=True):
+            policy.cut([1], [1000], ["M"], [[9]])
+        else:
+            policy.plain(1)
+        policy.emitted([[1]])
+        policy.observe([0])
+    assert policy.acceptance[0] < 0.2 and policy.depth(K, [1000], cheap=True) == 0  # idle
+    policy.plain(1)
+    policy.observe([0])
+    policy.peek([4], ["L"], [[5, 6, 7, 8]])
+    assert policy.plain_ahead(K, [999]) is False  # wait for the proposal: "L" pays
+    assert policy.depth(K, [1000], cheap=True) == K
+
+
 def test_the_ngram_drafters_peek_is_its_proposal_and_changes_nothing():
     """`NGramDrafter.peek` (what the policy peeks past the read): the drafts and labels its
     `propose` gives for the same rows, on the host, and nothing it states changes."""

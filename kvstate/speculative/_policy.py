@@ -366,6 +366,7 @@ class CostAwarePolicy:
         self._ahead_now = self._ahead_next = False  # this / the next round built ahead
         self._since_ask = 0  # rounds since the drafter was last asked
         self._peeked: list[list[Any]] | None = None  # the drafts' labels seen past the read
+        self._wait_for_proposal = False  # `plain_ahead` said the round asks (`depth` does)
         # per row, the proposals whose acceptance the tokens to come will tell (`emitted`)
         self._shadows: list[list[_Shadow]] = []
         self._shadowed: list[bool] = []  # this round's rows whose proposal is shadowed
@@ -381,7 +382,7 @@ class CostAwarePolicy:
         self._shadowed = []
         self._last_end, self._asked, self._since_ask = None, False, 0
         self._ahead_now = self._ahead_next = False
-        self._peeked = None
+        self._peeked, self._wait_for_proposal = None, False
         self._interval, self._since, self._rounds = self.probe, 0, 0
         self._pending = self._tree_paths = self._probed = None
         self._judged = False
@@ -450,7 +451,11 @@ class CostAwarePolicy:
         if cheap is None:
             cheap = self._cheap()
         self._judged = not cheap
-        if cheap and not (explored == 0 and self._idle()):
+        # `plain_ahead` left this round to wait for the proposal (a peek said its drafts
+        # pay): asked, as it said; else the round waited for nothing (on the H100 16 plain
+        # steps of 190 in the chat replay, each 1.5 pipelined ones)
+        waited, self._wait_for_proposal = self._wait_for_proposal, False
+        if cheap and (waited or not (explored == 0 and self._idle())):
             return most
         if explored == 0 and self._probe_due(max(room), len(room)):
             self._why = "probe"
@@ -473,7 +478,8 @@ class CostAwarePolicy:
         run): where they lost, only every `probe`-th round asks (the labels and acceptance
         estimates know what a verify costs, not what waiting for a proposal does). Then,
         where the drafter was peeked past the last read (`peek`), the round waits for its
-        proposal only where the peeked drafts would pay (not for the best label learnt).
+        proposal only where the peeked drafts would pay (not for the best label learnt), and
+        the next `depth` then asks for it (idle or not).
         After True the round is noted plain here (`plain`); after False ask `depth` again."""
         # rounds since the drafter was asked, this one (not yet `emitted`) included
         since_ask = 0 if self._asked else self._since_ask + 1
@@ -486,6 +492,7 @@ class CostAwarePolicy:
             # the token being read (a match goes on where its first draft is right)
             chains = [c[:n] for c, n in zip(peeked, limits, strict=True)]
             if self._best(chains, len(room))[0] > 0:
+                self._wait_for_proposal = True
                 return False
             return self._built_ahead(len(room), clock=True)
         if self.depth(k, room, cheap=False) != 0:
