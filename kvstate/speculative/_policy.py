@@ -774,7 +774,7 @@ class CostAwarePolicy:
         seen: Any = _UNSEEN
         alpha = 0.0
         for label in labels:
-            if label != seen:  # a chain's drafts share one label: its acceptance looked up once
+            if label is not seen:  # a chain repeats one label: its acceptance looked up once
                 seen, alpha = label, self._alpha(row, label)
             chance *= alpha
             total += chance
@@ -883,7 +883,7 @@ def check_policy_arguments(who: str, adaptive: Any, policy: Any) -> None:
         )
 
 
-_UNSEEN = object()  # equal to no drafter label
+_UNSEEN = object()  # no drafter label is it
 
 
 def _labels_of(labels: Any, rows: int) -> list[Any]:
