@@ -439,6 +439,10 @@ def test_the_cost_model_is_robust_to_stalls_and_fits_widths_not_timed():
         assert abs(model.ratio(4, w) - (1.2 + 0.3 * w)) < 0.05 * (1.2 + 0.3 * w), w
     assert model.ratio(4, 0) == 1.0
     assert abs(model.ratio(3, 4) - 2.4) < 0.12  # a batch size not timed: the nearest one's
+    for _ in range(2):  # ... until its own plain step and verify are timed
+        model.observe(3, 0, 0.010)
+        model.observe(3, 4, 0.030)
+    assert model.ratio(3, 4) == pytest.approx(3.0)
     # no plain step timed yet: its cost is the line's intercept over 1 + overhead
     fresh = CostModel(overhead=0.2)
     for w in (2, 4, 2, 4):  # each width timed twice: confirmed (a first timing may compile)
